@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv beside this repository and installs what the scripts (and, with --test, the tests) need.
+# torch is installed at the version this repository is tested with unless one is already there;
+# set TORCH_SPEC (e.g. "torch==2.5.1 torchvision==0.20.1") to choose another build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
+    echo "setup: installing ${TORCH_SPEC:=torch==2.14.1 torchvision==0.29.1} into .venv (about a minute from a local copy, longer from PyPI)"
+    # shellcheck disable=SC2086
+    pip install $TORCH_SPEC
+fi
+pip install -r requirements.txt
+if [ "${1:-}" = "--test" ]; then
+    pip install -r requirements-test.txt
+fi
