@@ -392,9 +392,12 @@ def find_processes():
     return rank, local_rank, world_size, torch.device("cuda", local_rank)
 
 
-def start_process_group(args, device):
+def start_process_group(args, device, log):
     if "WORLD_SIZE" not in os.environ:
         return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
+            "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout),
                             device_id=device if device.type == "cuda" else None)
@@ -503,8 +506,9 @@ def main_worker(args):
     num_classes = len(train_set.classes)
     set_seed(args.seed)
     model = build_model(args, num_classes)
+    set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
 
-    group = start_process_group(args, device)
+    group = start_process_group(args, device, log)
     preemption = Preemption(group)
     local_batch = args.batch_size // world_size
     log(f"{os.path.basename(__file__)}: world size {world_size}, device {device.type}, backend "

@@ -1,0 +1,158 @@
+"""Test harness: launches the scripts the way users do (torchrun, python) on CPU with gloo, on tiny
+generated data, and checks that no process outlives its job."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TORCHRUN = str(BIN / "torchrun")
+# small images, no loader workers unless a test asks, no progress lines unless a test asks
+FAST = ["--crop-size", "32", "--val-resize", "36", "-j", "0", "-p", "1000", "-b", "16", "--lr", "0.005"]
+COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
+
+
+class Job:
+    """A launched command in its own session, so that every process it starts can be found again."""
+
+    started = []
+
+    def __init__(self, cmd, env=None, cwd=None):
+        self.cmd = [str(c) for c in cmd]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(self.cmd, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines = []
+        Job.started.append(self)
+
+    def wait_for_line(self, text, timeout=120):
+        """Read output until a line contains `text`; returns that line."""
+        deadline = time.time() + timeout
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if text in line:
+                return line
+            if time.time() > deadline:
+                break
+        self.kill()
+        pytest.fail(f"never saw {text!r} in the output of {' '.join(self.cmd)}:\n{self.output}")
+
+    def workers(self):
+        """The processes torchrun started (its direct children), by RANK."""
+        children = psutil.Process(self.proc.pid).children()
+        return {int(p.environ().get("RANK", -1)): p for p in children}
+
+    def finish(self, timeout=300):
+        try:
+            rest, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output}")
+        self.lines.append(rest)
+        assert_no_leftovers(self.proc.pid)
+        return self
+
+    def kill(self):
+        with_session(self.proc.pid, lambda p: p.kill())
+        self.proc.kill()
+        self.lines.append(self.proc.communicate()[0] or "")
+
+    @property
+    def output(self):
+        return "".join(self.lines)
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+
+def with_session(sid, action):
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                action(p)
+                found.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            pass
+    return found
+
+
+def assert_no_leftovers(sid, grace=15):
+    """DataLoader workers notice a dead parent within seconds; anything alive after `grace` is an orphan."""
+    deadline = time.time() + grace
+    while time.time() < deadline:
+        if not with_session(sid, lambda p: None):
+            return
+        time.sleep(0.2)
+    orphans = with_session(sid, lambda p: p.kill())
+    pytest.fail(f"processes left behind: {[(p.pid, p.name()) for p in orphans]}")
+
+
+def run(cmd, timeout=300, **kwargs):
+    return Job(cmd, **kwargs).finish(timeout)
+
+
+def torchrun(script, nproc, *args, launcher_args=(), **kwargs):
+    return Job([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, ROOT / script, *args], **kwargs)
+
+
+def python(script, *args, **kwargs):
+    return Job([sys.executable, ROOT / script, *args], **kwargs)
+
+
+def ok(job, timeout=300):
+    job.finish(timeout)
+    assert job.returncode == 0, job.output
+    return job
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def make_image_folder(root, train_per_class=48, val_total=101, size=40, seed=0):
+    """One class per colour, noisy: learnable in a few epochs. val_total is odd on purpose."""
+    gen = torch.Generator().manual_seed(seed)
+    root = Path(root)
+    for split, count in (("train", train_per_class * len(COLOURS)), ("val", val_total)):
+        for i in range(count):
+            k = i % len(COLOURS)
+            noise = torch.randn(size, size, 3, generator=gen) * 30
+            pixels = (torch.tensor(COLOURS[k]) + noise).clamp(0, 255).to(torch.uint8).numpy()
+            folder = root / split / f"class{k}"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(pixels).save(folder / f"{i:04d}.JPEG", quality=90)
+    return root
+
+
+@pytest.fixture(scope="session")
+def image_data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("imagefolder"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Tests that need a tool (Horovod, Slurm) may skip on a laptop, never in CI."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("CI") == "true":
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, where every test must run: {report.longrepr}"
+
+
+@pytest.fixture(autouse=True)
+def _end_jobs():
+    """A test that failed or timed out midway must not leave its job running."""
+    yield
+    while Job.started:
+        job = Job.started.pop()
+        if job.proc.poll() is None or with_session(job.proc.pid, lambda p: None):
+            job.kill()

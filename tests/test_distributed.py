@@ -1,0 +1,168 @@
+"""distributed.py launched by torchrun (and plain python) on CPU: learning, checkpoints, exact
+evaluation, equivalence across process counts, resume, preemption and faults."""
+import json
+import os
+import re
+import signal
+
+import pytest
+import torch
+import torchvision
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import FAST, load, ok, python, torchrun
+
+SCRIPT = "distributed.py"
+CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
+                   "world_size", "rng_states", "train_sums"}
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_tensors(a, b, exact=True):
+    """Every tensor in two nested state dicts is equal (bit for bit, or allclose)."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_tensors(a[key], b[key], exact)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_tensors(x, y, exact)
+
+
+@pytest.fixture(scope="module")
+def trained(image_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--epochs", "4", "-p", "5", "--output-dir", out))
+    return job, out
+
+
+def test_two_processes_learn_and_write_outputs_from_rank_0_only(trained):
+    job, out = trained
+    assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
+    assert re.search(r"^Epoch 0 \[ 5/12\] loss [\d.]+ acc1 [\d.]+ lr 0.005 \d+ img/s$", job.output, re.M), job.output
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]  # one line per epoch: rank 1 wrote nothing
+    assert set(rows[0]) == {"epoch", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "lr",
+                            "img_per_s", "seconds"}
+    assert max(r["val_acc1"] for r in rows) >= 70, rows  # 4 classes: chance is 25%
+    assert rows[-1]["train_acc1"] >= 60 and rows[-1]["train_loss"] < rows[0]["train_loss"], rows
+    events = list((out / "tb").iterdir())
+    assert len(events) == 1, events
+    tb = EventAccumulator(str(events[0])).Reload()
+    assert [e.value for e in tb.Scalars("val_acc1")] == pytest.approx([r["val_acc1"] for r in rows])
+    assert sorted(os.listdir(out)) == ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "tb"]
+
+
+def test_checkpoint_is_complete_and_loads_into_a_plain_model(trained):
+    _, out = trained
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert set(ckpt) == CHECKPOINT_KEYS
+    assert (ckpt["epoch"], ckpt["step"], ckpt["arch"], ckpt["world_size"]) == (4, 0, "resnet18", 2)
+    assert ckpt["args"]["batch_size"] == 16 and ckpt["args"]["epochs"] == 4
+    assert len(ckpt["rng_states"]) == 2
+    assert not torch.equal(ckpt["rng_states"][0]["torch"], ckpt["rng_states"][1]["torch"])
+    assert ckpt["scheduler"]["last_epoch"] == 4 * 12
+    model = torchvision.models.resnet18(num_classes=4)
+    model.load_state_dict(ckpt["state_dict"])  # strict: no "module." prefix, nothing missing
+    best = load(out / "model_best.pth.tar")
+    assert best["best_acc1"] == max(r["val_acc1"] for r in metrics(out))
+    assert best["epoch"] == 1 + max(metrics(out), key=lambda r: r["val_acc1"])["epoch"]
+
+
+def val_line(job):
+    m = re.search(r"val: loss ([\d.]+) acc1 ([\d.]+) acc5 ([\d.]+) \(correct1 (\d+), correct5 (\d+), images (\d+)\)",
+                  job.output)
+    assert m, job.output
+    return float(m[1]), m.groups()[1:]
+
+
+def test_evaluation_is_exact_for_any_number_of_processes(trained, image_data):
+    """101 validation images: no rank pads or drops any, so 1, 2 and 3 processes agree exactly."""
+    _, out = trained
+    results = [val_line(ok(torchrun(SCRIPT, n, image_data, *FAST, "-b", "12", "-e", "--resume", out / "checkpoint.pth.tar")))
+               for n in (1, 2, 3)]
+    losses, counts = zip(*results)
+    assert counts[0][-1] == "101"
+    assert counts[0] == counts[1] == counts[2]
+    assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
+
+
+def test_two_processes_give_the_weights_of_one(image_data, tmp_path):
+    """No BatchNorm, no dropout: only the parallelism differs, and the global batch is the same. The
+    random crops agree too, because each sample's augmentation is seeded by (seed, epoch, index)."""
+    args = [image_data, *FAST, "-a", "squeezenet1_1", "--dropout", "0", "--epochs", "2"]
+    ok(python(SCRIPT, *args, "--output-dir", tmp_path / "one"))
+    ok(torchrun(SCRIPT, 2, *args, "--output-dir", tmp_path / "two"))
+    one, two = (load(tmp_path / d / "checkpoint.pth.tar")["state_dict"] for d in ("one", "two"))
+    assert_same_tensors(one, two, exact=False)
+    torch.manual_seed(0)
+    initial = torchvision.models.squeezenet1_1(num_classes=4, dropout=0.0).state_dict()
+    assert not torch.allclose(initial["classifier.1.weight"], one["classifier.1.weight"])  # it did train
+
+
+RESUME = [*FAST, "--deterministic", "-p", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(image_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", out))
+    return out
+
+
+def assert_same_run(out, reference):
+    a, b = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
+    assert a["epoch"] == b["epoch"] == 3
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    assert_same_tensors(a["optimizer"], b["optimizer"])
+    for x, y in zip(metrics(out), metrics(reference)):
+        assert {k: v for k, v in x.items() if k not in ("img_per_s", "seconds")} == pytest.approx(
+            {k: v for k, v in y.items() if k not in ("img_per_s", "seconds")}, rel=1e-9)
+
+
+def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninterrupted):
+    ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))
+    job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
+    assert "resumed from" in job.output and "(epoch 1, step 0)" in job.output
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image_data, tmp_path, uninterrupted):
+    job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    job.workers()[1].send_signal(signal.SIGTERM)  # one rank only: the others must agree to stop with it
+    ok(job)
+    stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", job.output)
+    assert stop, job.output
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step"]) == (0, int(stop[1])) and 0 < ckpt["step"] < 12
+    assert not (tmp_path / "metrics.jsonl").exists()
+    resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
+    assert f"(epoch 0, step {ckpt['step']})" in resumed.output
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, tmp_path, uninterrupted):
+    job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path,
+                   launcher_args=["--max-restarts=1"], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    job.wait_for_line("Epoch 1 [ 1/12]")
+    job.workers()[1].send_signal(signal.SIGKILL)
+    ok(job)
+    assert "pytorch#135712" not in job.output
+    assert "(epoch 1, step 0)" in job.output  # restarted from the checkpoint of epoch 0
+    assert [r["epoch"] for r in metrics(tmp_path)] == [0, 1, 2]
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_ctrl_c_stops_every_process(image_data, tmp_path):
+    job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "50", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+    job.finish(timeout=60)  # fails if any process (worker, DataLoader worker) is left behind
+    assert job.returncode != 0
