@@ -1,0 +1,69 @@
+"""Bad input: one line saying what is wrong and what to do, a non-zero exit, no hang, no process left."""
+import re
+import shutil
+
+import pytest
+import torch
+import torchvision
+
+from conftest import FAST, python, torchrun
+
+SCRIPT = "distributed.py"
+
+
+def broken_copy(image_data, tmp_path, change):
+    data = tmp_path / "data"
+    shutil.copytree(image_data, data)
+    change(data)
+    return data
+
+
+def checkpoint(tmp_path, truncate=False, **content):
+    path = tmp_path / "ckpt.pth.tar"
+    torch.save({"arch": "resnet18", "state_dict": torchvision.models.resnet18(num_classes=4).state_dict(), **content}, path)
+    if truncate:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
+def first_train_image(data):
+    return data / "train" / "class0" / "0000.JPEG"
+
+
+# name: (processes, arguments given the dataset and a scratch folder, what the error line must say)
+CASES = {
+    "missing data folder": (1, lambda d, t: [t / "nowhere"], r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
+    "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],
+                      r"val not found: DIR must hold train/ and val/"),
+    "empty class folder": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class9").mkdir())],
+                           r"Found no valid file for the classes class9.*needs at least one image"),
+    "corrupt JPEG on one of two ranks": (2, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x).write_bytes(b"junk"))],
+                                         r"cannot read image .*class0/0000.JPEG .*replace or remove the file"),
+    "truncated JPEG": (1, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x).write_bytes(first_train_image(x).read_bytes()[:300]))],
+                       r"cannot read image .*class0/0000.JPEG \(.*[Tt]runcated.*\): replace or remove the file"),
+    "unknown arch": (1, lambda d, t: [d, "-a", "resnet19"], r"unknown --arch 'resnet19': use a torchvision classification model"),
+    "dropout on a model without it": (1, lambda d, t: [d, "--dropout", "0"], r"--arch resnet18 does not take these options.*drop --dropout"),
+    "batch not divisible by world size": (2, lambda d, t: [d, "-b", "15"], r"--batch-size 15 is the global batch and must divide by the world size 2: use e.g. 14"),
+    "batch larger than the data": (1, lambda d, t: [d, "-b", "512"], r"192 training images are fewer than one global batch of 512: lower -b"),
+    "fp16 without CUDA": (1, lambda d, t: [d, "--amp", "fp16"], r"--amp fp16 needs CUDA.*use --amp bf16"),
+    "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"], r"--resume .*none.pth.tar: no such file"),
+    "resume path unreadable": (1, lambda d, t: [d, "--resume", t], r"cannot load checkpoint .*: it is unreadable or truncated"),
+    "resume checkpoint truncated": (1, lambda d, t: [d, "--resume", checkpoint(t, truncate=True)],
+                                    r"cannot load checkpoint .*ckpt.pth.tar .*unreadable or truncated; resume from another file"),
+    "resume checkpoint of another arch": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="resnet50")],
+                                          r"ckpt.pth.tar holds a resnet50 model, not resnet18: pass -a resnet50"),
+    "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"], r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_gets_one_clear_line(name, image_data, tmp_path):
+    processes, make_args, expected = CASES[name]
+    args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
+    job = (python(SCRIPT, *args) if processes == 1 else torchrun(SCRIPT, processes, *args)).finish(timeout=120)
+    errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
+    assert job.returncode != 0, job.output
+    assert len(errors) == 1 and re.search(expected, errors[0]), job.output
+    if processes == 1:  # under torchrun, torchrun adds its own report
+        assert job.returncode == 2 and "Traceback" not in job.output, job.output
+    assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
