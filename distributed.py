@@ -377,6 +377,41 @@ def load_checkpoint(path, device, arch):
     return ckpt
 
 
+def check_and_load(args, world_size, device):
+    """Everything that can fail on bad input, done before any process waits for another. Returns
+    the datasets, the model (the same initial weights on every rank) and the checkpoint, if any."""
+    if args.arch not in MODEL_NAMES:
+        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
+                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
+                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    if args.amp == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
+    if not args.dummy and not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
+    for split in () if args.dummy else ("train", "val"):
+        if not os.path.isdir(os.path.join(args.data, split)):
+            raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, one folder per class")
+    ckpt_path = resume_path(args)
+    ckpt = load_checkpoint(ckpt_path, device, args.arch) if ckpt_path else None
+    train_set, val_set = build_datasets(args)
+    if len(train_set) < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: lower -b")
+    set_seed(args.seed)
+    return train_set, val_set, build_model(args, len(train_set.classes)), ckpt_path, ckpt
+
+
+def write_epoch(row, writer, output_dir):
+    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items():
+        if key != "epoch":
+            writer.add_scalar(key, value, row["epoch"])
+    writer.flush()
+
+
 # ---------------------------------------------------------------------------------------------
 # The launcher-specific part: torchrun's environment, the process group, DDP
 # ---------------------------------------------------------------------------------------------
@@ -486,26 +521,8 @@ def main_worker(args):
     rank, local_rank, world_size, device = find_processes()
     log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
 
-    # everything that can fail on bad input, before any process waits for another
-    if args.arch not in MODEL_NAMES:
-        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
-                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
-    if args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
-                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
-    if args.amp == "fp16" and device.type != "cuda":
-        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
-    if not args.dummy and not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
-    for split in () if args.dummy else ("train", "val"):
-        if not os.path.isdir(os.path.join(args.data, split)):
-            raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, one folder per class")
-    ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, device, args.arch) if ckpt_path else None
-    train_set, val_set = build_datasets(args)
+    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
     num_classes = len(train_set.classes)
-    set_seed(args.seed)
-    model = build_model(args, num_classes)
     set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
 
     group = start_process_group(args, device, log)
@@ -532,8 +549,6 @@ def main_worker(args):
     val_batches = Prefetcher(DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args),
                              device, args.channels_last)
     steps_per_epoch = len(train_batches)
-    if steps_per_epoch == 0 and not args.evaluate:
-        raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: lower -b")
 
     optimizer = torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
@@ -596,12 +611,7 @@ def main_worker(args):
                    "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
                    "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
             if rank == 0:
-                with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                for key, value in row.items():
-                    if key != "epoch":
-                        writer.add_scalar(key, value, epoch)
-                writer.flush()
+                write_epoch(row, writer, args.output_dir)
             log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
                 f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | {row['img_per_s']:.0f} img/s")
             if preemption.agreed_now():
@@ -623,7 +633,7 @@ def train_one_epoch(model, batches, optimizer, scheduler, scaler, amp_dtype, pre
         metrics.sums += sums.to(device)  # the part of this epoch trained before a preemption
     first_bad = torch.full((), -1, device=device)
     bar = tqdm(total=steps_per_epoch, initial=start_step, desc=f"Epoch {epoch}", dynamic_ncols=True, disable=not show_bar)
-    last_time, last_count = time.time(), 0
+    last_time, last_count = time.time(), 0 if sums is None else sums[3].item()
 
     def report(step):
         nonlocal last_time, last_count

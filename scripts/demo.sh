@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 NPROC=$(.venv/bin/python -c "import torch; print(torch.cuda.device_count() or 2)")
 if [ "$(.venv/bin/python -c 'import torch; print(torch.cuda.is_available())')" = True ]; then
-    ARGS="--dummy --dummy-size 25600 --epochs 3 -b $((64 * NPROC)) --lr 0.1 --amp bf16"
+    ARGS="--dummy --dummy-size 25600 --epochs 3 -b $((64 * NPROC)) --lr 0.1"
 else
     ARGS="--dummy --dummy-size 1024 --epochs 3 --crop-size 32 --val-resize 40 -b 32 --lr 0.02 -j 1"
 fi

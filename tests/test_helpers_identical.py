@@ -10,7 +10,7 @@ REFERENCE = "distributed.py"
 SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "DataError", "set_seed", "rng_state", "set_rng_state",
           "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "build_datasets", "TrainSampler",
           "SeededSamples", "ShardSampler", "Prefetcher", "build_model", "param_groups", "lr_factor", "atomic_write",
-          "save_checkpoint", "resume_path", "load_checkpoint"]
+          "save_checkpoint", "resume_path", "load_checkpoint", "check_and_load", "write_epoch"]
 # helpers a launcher has to do its own way (e.g. Horovod reduces with hvd.allreduce, not torch.distributed)
 OWN_WAY = {}
 
