@@ -1,5 +1,7 @@
 """Test harness: launches the scripts the way users do (torchrun, python) on CPU with gloo, on tiny
 generated data, and checks that no process outlives its job."""
+import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -20,13 +22,16 @@ COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
 
 
 class Job:
-    """A launched command in its own session, so that every process it starts can be found again."""
+    """A launched command. Every process it starts, however far down and even in a session of its own
+    (torchrun starts workers that way), inherits a marker in its environment, so none can escape."""
 
     started = []
+    count = itertools.count()
 
     def __init__(self, cmd, env=None, cwd=None):
         self.cmd = [str(c) for c in cmd]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.marker = f"{os.getpid()}.{next(Job.count)}"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TEST_JOB": self.marker, **(env or {})}
         self.proc = subprocess.Popen(self.cmd, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines = []
@@ -44,10 +49,22 @@ class Job:
         self.kill()
         pytest.fail(f"never saw {text!r} in the output of {' '.join(self.cmd)}:\n{self.output}")
 
-    def workers(self):
-        """The processes torchrun started (its direct children), by RANK."""
-        children = psutil.Process(self.proc.pid).children()
-        return {int(p.environ().get("RANK", -1)): p for p in children}
+    def processes(self):
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("TEST_JOB") == self.marker:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    def process_of_rank(self, rank, variable="RANK"):
+        """The training process that its launcher gave `variable`=rank (not its loader workers)."""
+        def is_rank(p):
+            return "python" in p.name() and p.environ().get(variable) == str(rank)
+        matches = [p for p in self.processes() if is_rank(p)]
+        return next(p for p in matches if not is_rank(p.parent()))
 
     def finish(self, timeout=300):
         try:
@@ -56,12 +73,26 @@ class Job:
             self.kill()
             pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output}")
         self.lines.append(rest)
-        assert_no_leftovers(self.proc.pid)
+        self.assert_no_leftovers()
         return self
 
+    def assert_no_leftovers(self, grace=15):
+        """DataLoader workers notice a dead parent within seconds; anything alive after `grace` is an orphan."""
+        deadline = time.time() + grace
+        while self.processes() and time.time() < deadline:
+            time.sleep(0.2)
+        orphans = [(p.pid, " ".join(p.cmdline())[:120]) for p in self.kill_all()]
+        assert not orphans, f"processes left behind by {' '.join(self.cmd)}: {orphans}"
+
+    def kill_all(self):
+        killed = self.processes()
+        for p in killed:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        return killed
+
     def kill(self):
-        with_session(self.proc.pid, lambda p: p.kill())
-        self.proc.kill()
+        self.kill_all()
         self.lines.append(self.proc.communicate()[0] or "")
 
     @property
@@ -71,29 +102,6 @@ class Job:
     @property
     def returncode(self):
         return self.proc.returncode
-
-
-def with_session(sid, action):
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid:
-                action(p)
-                found.append(p)
-        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
-            pass
-    return found
-
-
-def assert_no_leftovers(sid, grace=15):
-    """DataLoader workers notice a dead parent within seconds; anything alive after `grace` is an orphan."""
-    deadline = time.time() + grace
-    while time.time() < deadline:
-        if not with_session(sid, lambda p: None):
-            return
-        time.sleep(0.2)
-    orphans = with_session(sid, lambda p: p.kill())
-    pytest.fail(f"processes left behind: {[(p.pid, p.name()) for p in orphans]}")
 
 
 def run(cmd, timeout=300, **kwargs):
@@ -154,5 +162,5 @@ def _end_jobs():
     yield
     while Job.started:
         job = Job.started.pop()
-        if job.proc.poll() is None or with_session(job.proc.pid, lambda p: None):
+        if job.proc.poll() is None or job.processes():
             job.kill()

@@ -1,0 +1,79 @@
+"""horovod_distributed.py under the real `horovodrun --gloo` on CPU."""
+import re
+import signal
+import sys
+
+import pytest
+
+from conftest import BIN, FAST, ROOT, Job, load, ok, python, torchrun
+from test_distributed import CHECKPOINT_KEYS, assert_same_tensors, metrics, val_line
+
+SCRIPT = "horovod_distributed.py"
+EQUIVALENCE = [*FAST, "-a", "squeezenet1_1", "--dropout", "0", "--epochs", "2"]
+# gradients are averaged by Horovod instead of DDP: the same sums in another order
+TOLERANCE = dict(rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    """Installed by scripts/setup.sh --test (scripts/install_horovod.sh); a skip is a failure in CI."""
+    pytest.importorskip("horovod.torch")
+
+
+def horovodrun(np, *args, **kwargs):
+    return Job([BIN / "horovodrun", "--gloo", "-np", np, "-H", f"localhost:{np}", sys.executable, ROOT / SCRIPT, *args],
+               **kwargs)
+
+
+@pytest.fixture(scope="module")
+def trained(image_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("horovod")
+    job = ok(horovodrun(2, image_data, *FAST, "--epochs", "4", "--output-dir", out))
+    return job, out
+
+
+def test_two_processes_learn_checkpoint_and_resume(trained, image_data):
+    job, out = trained
+    assert "world size 2, device cpu, backend horovod/gloo, global batch 16 = 2 x 8" in job.output
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
+    assert max(r["val_acc1"] for r in rows) >= 70, rows
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert set(ckpt) == CHECKPOINT_KEYS and (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (4, 2, 2)
+    resumed = ok(horovodrun(2, image_data, *FAST, "--epochs", "5", "--resume", "auto", "--output-dir", out))
+    assert "(epoch 4, step 0)" in resumed.output
+    assert [r["epoch"] for r in metrics(out)] == [0, 1, 2, 3, 4]
+
+
+def test_evaluation_is_exact(trained, image_data):
+    """Two Horovod processes count exactly what one distributed.py process counts on 101 images."""
+    _, out = trained
+    ckpt = out / "model_best.pth.tar"
+    two = val_line(ok(horovodrun(2, image_data, *FAST, "-e", "--resume", ckpt)))
+    one = val_line(ok(python("distributed.py", image_data, *FAST, "-e", "--resume", ckpt)))
+    assert two[1] == one[1] and two[1][-1] == "101"
+    assert two[0] == pytest.approx(one[0], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ddp_weights(image_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    ok(torchrun("distributed.py", 2, image_data, *EQUIVALENCE, "--output-dir", out))
+    return load(out / "checkpoint.pth.tar")["state_dict"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--batches-per-allreduce", "2"]], ids=["one-pass", "two-passes-per-allreduce"])
+def test_horovod_gives_the_weights_of_ddp(extra, image_data, tmp_path, ddp_weights):
+    """Same seed, data and global batch: Horovod ends where DDP ends, also when each process's batch
+    is split into two backward passes per all-reduce."""
+    ok(horovodrun(2, image_data, *EQUIVALENCE, *extra, "--output-dir", tmp_path))
+    assert_same_tensors(load(tmp_path / "checkpoint.pth.tar")["state_dict"], ddp_weights, exact=False, **TOLERANCE)
+
+
+def test_sigterm_on_one_rank_checkpoints_mid_epoch(image_data, tmp_path):
+    job = horovodrun(2, image_data, *FAST, "-p", "1", "--epochs", "3", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    job.process_of_rank(1, "HOROVOD_RANK").send_signal(signal.SIGTERM)
+    ok(job)
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert re.search(rf"preempted: saved .* at epoch 0 step {ckpt['step']};", job.output) and ckpt["step"] > 0
