@@ -13,6 +13,7 @@ if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
     pip install $TORCH_SPEC
 fi
 pip install -r requirements.txt
-if [ "${1:-}" = "--test" ]; then
+if [ "${1:-}" = "--test" ]; then  # the tests launch every script for real: Horovod too
     pip install -r requirements-test.txt
+    bash scripts/install_horovod.sh
 fi

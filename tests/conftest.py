@@ -81,13 +81,15 @@ class Job:
         deadline = time.time() + grace
         while self.processes() and time.time() < deadline:
             time.sleep(0.2)
-        orphans = [(p.pid, " ".join(p.cmdline())[:120]) for p in self.kill_all()]
+        orphans = self.kill_all()
         assert not orphans, f"processes left behind by {' '.join(self.cmd)}: {orphans}"
 
     def kill_all(self):
-        killed = self.processes()
-        for p in killed:
-            with contextlib.suppress(psutil.NoSuchProcess):
+        """Kills what is left; returns (pid, command line) of each."""
+        killed = []
+        for p in self.processes():
+            with contextlib.suppress(psutil.Error):
+                killed.append((p.pid, " ".join(p.cmdline())[:150]))
                 p.kill()
         return killed
 

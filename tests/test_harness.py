@@ -12,8 +12,7 @@ ESCAPE = "import subprocess; subprocess.Popen(['sleep', '60'], start_new_session
 def test_an_orphan_in_its_own_session_is_reported_and_killed():
     job = Job([sys.executable, "-c", ESCAPE])
     job.proc.wait(timeout=30)
-    orphans = job.processes()
-    assert [p.name() for p in orphans] == ["sleep"]
+    assert [p.name() for p in job.processes()] == ["sleep"]
     with pytest.raises(AssertionError, match="processes left behind"):
         job.assert_no_leftovers(grace=1)
     assert not job.processes()
