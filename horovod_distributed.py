@@ -285,20 +285,23 @@ class Prefetcher:
 
 
 def build_model(args, num_classes):
-    kwargs = {} if args.dropout is None else {"dropout": args.dropout}
-    if args.pretrained:
-        if num_classes != 1000:
-            raise UserError(f"--pretrained weights predict 1000 classes but the data has {num_classes}: drop --pretrained")
-        kwargs["weights"] = "DEFAULT"
-    else:
-        kwargs["num_classes"] = num_classes
+    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
+    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning)."""
     try:
-        return torchvision.models.get_model(args.arch, **kwargs)
+        model = torchvision.models.get_model(args.arch, num_classes=num_classes,
+                                             **({} if args.dropout is None else {"dropout": args.dropout}))
     except TypeError as e:
         raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
-    except (OSError, RuntimeError) as e:
-        raise UserError(f"cannot load pretrained weights for {args.arch} ({e}): check network access, or put "
-                        f"the weights file into $TORCH_HOME/hub/checkpoints") from None
+    if args.pretrained:
+        weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+        try:
+            pretrained = weights.get_state_dict(progress=False)
+        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
+            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
+                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
+        own = model.state_dict()
+        model.load_state_dict({k: v for k, v in pretrained.items() if own[k].shape == v.shape}, strict=False)
+    return model
 
 
 def param_groups(model, args):

@@ -31,7 +31,8 @@ class Job:
     def __init__(self, cmd, env=None, cwd=None):
         self.cmd = [str(c) for c in cmd]
         self.marker = f"{os.getpid()}.{next(Job.count)}"
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TEST_JOB": self.marker, **(env or {})}
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TEST_JOB": self.marker,
+                    **{k: str(v) for k, v in (env or {}).items()}}
         self.proc = subprocess.Popen(self.cmd, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines = []

@@ -53,14 +53,17 @@ CASES = {
     "resume checkpoint of another arch": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="resnet50")],
                                           r"ckpt.pth.tar holds a resnet50 model, not resnet18: pass -a resnet50"),
     "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"], r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
+    "pretrained weights out of reach": (1, lambda d, t: [d, "--pretrained"], r"cannot load pretrained weights .*resnet18-.*\.pth.*put the file into \$TORCH_HOME/hub/checkpoints/",
+                                        {"TORCH_HOME": "/nonexistent"}),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_gets_one_clear_line(name, image_data, tmp_path):
-    processes, make_args, expected = CASES[name]
+    processes, make_args, expected, *env = CASES[name]
     args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
-    job = (python(SCRIPT, *args) if processes == 1 else torchrun(SCRIPT, processes, *args)).finish(timeout=120)
+    env = env[0] if env else None
+    job = (python(SCRIPT, *args, env=env) if processes == 1 else torchrun(SCRIPT, processes, *args, env=env)).finish(timeout=120)
     errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
     assert job.returncode != 0, job.output
     assert len(errors) == 1 and re.search(expected, errors[0]), job.output

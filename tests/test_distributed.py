@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,21 @@ def test_two_processes_give_the_weights_of_one(image_data, tmp_path):
     torch.manual_seed(0)
     initial = torchvision.models.squeezenet1_1(num_classes=4, dropout=0.0).state_dict()
     assert not torch.allclose(initial["classifier.1.weight"], one["classifier.1.weight"])  # it did train
+
+
+def test_pretrained_weights_come_through_the_torchvision_api(image_data, tmp_path):
+    """Offline: the file lies where torchvision's cache keeps it. Every layer but the classifier (1000
+    classes there, 4 here) starts from it."""
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.manual_seed(1)
+    weights = torchvision.models.resnet18().state_dict()
+    torch.save(weights, cache / Path(torchvision.models.ResNet18_Weights.DEFAULT.url).name)
+    ok(python(SCRIPT, image_data, *FAST, "--lr", "0", "--epochs", "1", "--pretrained", "--output-dir", tmp_path / "out",
+              env={"TORCH_HOME": tmp_path / "torch"}))
+    loaded = load(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
+    assert torch.equal(loaded["layer4.1.conv2.weight"], weights["layer4.1.conv2.weight"])
+    assert loaded["fc.weight"].shape == (4, 512)
 
 
 RESUME = [*FAST, "--deterministic", "-p", "1"]
