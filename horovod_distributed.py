@@ -576,7 +576,6 @@ def main_worker(args):
         return
 
     def checkpoint(epoch, step, sums, is_best):
-        sync_buffers(model)
         states = gather_rng_states()  # every rank takes part
         if rank == 0:
             save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": model.state_dict(),
