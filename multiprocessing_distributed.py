@@ -11,9 +11,10 @@ spawns one worker per GPU (or --nprocs on CPU), each running main_worker(local_r
     python multiprocessing_distributed.py --nprocs 2 --dummy --crop-size 64 -b 64 --epochs 3
 
 What differs from distributed.py: rank = node_rank x procs_per_node + local_rank comes from the command
-line, not torchrun's environment; the process group always starts (a TCP store at --dist-url that
-counts arriving ranks); and the parent, not torchrun, stops every worker when one fails or on Ctrl-C,
-and forwards SIGTERM / SIGUSR1 to them. -b is the global batch: each of W processes gets b = B / W.
+line, not torchrun's environment; the process group always starts, at a TCP store that node 0's parent
+serves on --dist-url (it counts arriving ranks); and the parent, not torchrun, stops every worker when
+one fails or on Ctrl-C, and forwards SIGTERM / SIGUSR1 to them. -b is the global batch: each of W
+processes gets b = B / W.
 """
 import argparse
 import contextlib
@@ -25,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import time
 import urllib.parse
@@ -423,48 +423,52 @@ def write_epoch(row, writer, output_dir):
 # The launcher-specific part: the parent's checks and spawn, the rank from the command line, DDP
 # ---------------------------------------------------------------------------------------------
 def check_launch(args):
-    """In the parent, before any worker starts: which GPUs, how many processes, where to meet."""
+    """In the parent, before any worker starts: which GPUs, how many processes, where to meet. On node
+    0 it returns the store the workers meet at, which must live as long as they do."""
     if not 1 <= args.world_size or not 0 <= args.node_rank < args.world_size:
         raise UserError(f"--node-rank {args.node_rank} with --world-size {args.world_size}: node ranks go from 0 to "
                         f"{max(args.world_size, 1) - 1}")
-    if args.gpus is not None and not torch.cuda.is_available():
-        raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on the CPU")
-    if torch.cuda.is_available():
-        try:
-            gpus = [int(i) for i in (args.gpus or ",".join(map(str, range(torch.cuda.device_count())))).split(",")]
-        except ValueError:
-            raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
-        missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
-        if missing:
-            raise UserError(f"--gpus {args.gpus}: no GPU {missing[0]} here, {torch.cuda.device_count()} are visible "
-                            f"(0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
-        args.gpus, args.nprocs = gpus, args.nprocs or len(gpus)
-        if args.nprocs > len(gpus):
-            raise UserError(f"--nprocs {args.nprocs} but {len(gpus)} GPUs: one process per GPU, use --nprocs {len(gpus)}")
+    args.gpus = select_gpus(args)
+    if args.gpus:
+        args.nprocs = args.nprocs or len(args.gpus)
+        if args.nprocs > len(args.gpus):
+            raise UserError(f"--nprocs {args.nprocs} but {len(args.gpus)} GPUs: one process per GPU, use --nprocs {len(args.gpus)}")
     args.nprocs = args.nprocs or 1
     if args.nprocs < 1:
         raise UserError(f"--nprocs {args.nprocs}: start at least one process")
     if args.dist_url is None and args.world_size > 1:
         raise UserError(f"--world-size {args.world_size} needs --dist-url tcp://HOST:PORT, HOST being node 0, the same on every node")
-    if args.dist_url is None:
-        args.dist_url = f"tcp://127.0.0.1:{free_port()}"  # not a fixed port: two jobs on one machine must not collide
-    url = urllib.parse.urlparse(args.dist_url)
-    if url.scheme != "tcp" or not url.hostname or not url.port:
+    url = urllib.parse.urlparse(args.dist_url or "tcp://127.0.0.1:0")
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
         raise UserError(f"--dist-url {args.dist_url}: give tcp://HOST:PORT, HOST being node 0's address")
-    if args.node_rank == 0 and not free_port(url.port):
-        raise UserError(f"--dist-url {args.dist_url}: port {url.port} is already in use on this node (another job?); "
-                        f"choose a free port, or leave --dist-url out on a single node")
+    if args.node_rank != 0:
+        return None
+    # node 0's parent serves the store the workers meet at; port 0: a free one, so two jobs never collide
+    try:
+        store = dist.TCPStore(url.hostname, url.port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=args.dist_timeout))
+    except dist.DistError as e:
+        raise UserError(f"--dist-url {args.dist_url}: cannot listen on port {url.port} ({str(e).splitlines()[0].split('message: ')[-1]}); "
+                        f"another job may use it: choose a free port, or leave --dist-url out on a single node") from None
+    args.dist_url = f"tcp://{url.hostname}:{store.port}"
+    return store
 
 
-def free_port(port=0):
-    """The port if it is free here, else None; port 0: any free port."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the TCP store does: TIME_WAIT is free
-        try:
-            s.bind(("", port))
-        except OSError:
-            return None
-        return s.getsockname()[1]
+def select_gpus(args):
+    """The GPU ids to use: --gpus, else all visible ones; None on CPU."""
+    if not torch.cuda.is_available():
+        if args.gpus is not None:
+            raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on the CPU")
+        return None
+    try:
+        gpus = [int(i) for i in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
+    except ValueError:
+        raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
+    missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
+    if missing:
+        raise UserError(f"--gpus {args.gpus}: there is no GPU {missing[0]}, {torch.cuda.device_count()} are visible "
+                        f"(0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
+    return gpus
 
 
 def find_processes(args, local_rank):
@@ -477,16 +481,15 @@ def find_processes(args, local_rank):
 
 
 def start_process_group(args, rank, world_size, device, log):
-    """Meet at --dist-url: rank 0 serves a TCP store, every rank counts itself in, and the group starts
-    once all have arrived, or fails after --dist-timeout saying how many did."""
+    """Meet at the store of node 0's parent: every rank counts itself in, and the group starts once all
+    have arrived, or fails after --dist-timeout saying how many did."""
     url = urllib.parse.urlparse(args.dist_url)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     try:
-        store = dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=timeout)
     except dist.DistError as e:
-        raise UserError(f"--dist-url {args.dist_url}: cannot {'listen' if rank == 0 else 'reach node 0'} there "
-                        f"({str(e).splitlines()[0]}); check the address, the port and that node 0 is running") from None
+        raise UserError(f"--dist-url {args.dist_url}: cannot reach node 0 within --dist-timeout {args.dist_timeout:g}s "
+                        f"({str(e).splitlines()[0]}); start node 0 first, and check the address and port") from None
     arrived, deadline = store.add("arrived", 1), time.time() + args.dist_timeout
     while arrived < world_size:
         if time.time() > deadline:
@@ -564,7 +567,7 @@ class Preemption:
 def main():
     args = parse_args()
     try:
-        check_launch(args)
+        store = check_launch(args)  # noqa: F841 (node 0 serves the rendezvous while the workers run)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
