@@ -31,6 +31,10 @@ def imagenet_scripts():
     return sorted(p.name for p in ROOT.glob("*.py") if "def main_worker(" in p.read_text())
 
 
+def test_every_sibling_is_compared():
+    assert {"distributed.py", "multiprocessing_distributed.py", "dataparallel.py"} <= set(imagenet_scripts())
+
+
 def test_the_reference_defines_every_shared_helper():
     missing = set(SHARED) - set(definitions(ROOT / REFERENCE))
     assert not missing, f"{REFERENCE} lacks {missing}: update SHARED in this test if a helper was renamed"
