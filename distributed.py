@@ -504,11 +504,11 @@ class Preemption:
 # ---------------------------------------------------------------------------------------------
 def main():
     args = parse_args()
-    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         main_worker(args)
     except UserError as e:
-        if rank == 0 or isinstance(e, DataError):
+        if local_rank == 0 or isinstance(e, DataError):  # one line per node: each node may see its own problem
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:

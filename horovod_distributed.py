@@ -16,7 +16,6 @@ recipe: optimizer.synchronize(), then scaler.step() under optimizer.skip_synchro
 """
 import argparse
 import contextlib
-import datetime
 import functools
 import json
 import math
@@ -493,7 +492,7 @@ def main():
     try:
         main_worker(args)
     except UserError as e:
-        if hvd.rank() == 0 or isinstance(e, DataError):
+        if hvd.local_rank() == 0 or isinstance(e, DataError):  # one line per node: each node may see its own problem
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:

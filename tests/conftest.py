@@ -2,7 +2,10 @@
 generated data, and checks that no process outlives its job."""
 import contextlib
 import itertools
+import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -11,13 +14,19 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torchvision
 from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
 # small images, no loader workers unless a test asks, no progress lines unless a test asks
 FAST = ["--crop-size", "32", "--val-resize", "36", "-j", "0", "-p", "1000", "-b", "16", "--lr", "0.005"]
+# bit-identical reruns, and a progress line every step to wait for
+RESUME = [*FAST, "--deterministic", "-p", "1"]
+CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
+                   "world_size", "rng_states", "train_sums"}
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
 
 
@@ -66,6 +75,11 @@ class Job:
             return "python" in p.name() and p.environ().get(variable) == str(rank)
         matches = [p for p in self.processes() if is_rank(p)]
         return next(p for p in matches if not is_rank(p.parent()))
+
+    def spawned(self):
+        """The worker processes torch.multiprocessing.spawn started, in local rank order."""
+        children = psutil.Process(self.proc.pid).children()
+        return sorted((p for p in children if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.pid)
 
     def finish(self, timeout=300):
         try:
@@ -119,6 +133,17 @@ def python(script, *args, **kwargs):
     return Job([sys.executable, ROOT / script, *args], **kwargs)
 
 
+def spawn(script, nprocs, *args, **kwargs):
+    """`python script --nprocs N`: the script starts its own processes (torch.multiprocessing.spawn)."""
+    return python(script, "--nprocs", nprocs, *args, **kwargs)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ok(job, timeout=300):
     job.finish(timeout)
     assert job.returncode == 0, job.output
@@ -127,6 +152,69 @@ def ok(job, timeout=300):
 
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_tensors(a, b, exact=True, rtol=1e-4, atol=1e-6):
+    """Every tensor in two nested state dicts is equal (bit for bit, or allclose)."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=rtol, atol=atol)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_tensors(a[key], b[key], exact, rtol, atol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_tensors(x, y, exact, rtol, atol)
+
+
+def assert_same_run(out, reference, epochs=3):
+    """Same weights and optimizer state bit for bit, same metrics.jsonl but for the timings."""
+    a, b = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
+    assert a["epoch"] == b["epoch"] == epochs
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    assert_same_tensors(a["optimizer"], b["optimizer"])
+    assert len(metrics(out)) == len(metrics(reference))
+    for x, y in zip(metrics(out), metrics(reference)):
+        assert {k: v for k, v in x.items() if k not in ("img_per_s", "seconds")} == pytest.approx(
+            {k: v for k, v in y.items() if k not in ("img_per_s", "seconds")}, rel=1e-9)
+
+
+def assert_learned(out, epochs):
+    """One metrics line per epoch (only rank 0 wrote), accuracy well above chance (4 classes: 25%),
+    the same scalars in TensorBoard, a complete checkpoint that loads into a plain model."""
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == list(range(epochs))
+    assert set(rows[0]) == {"epoch", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "lr",
+                            "img_per_s", "seconds"}
+    assert max(r["val_acc1"] for r in rows) >= 70, rows
+    assert rows[-1]["train_acc1"] >= 60 and rows[-1]["train_loss"] < rows[0]["train_loss"], rows
+    events = list((out / "tb").iterdir())
+    assert len(events) == 1, events
+    tb = EventAccumulator(str(events[0])).Reload()
+    assert [e.value for e in tb.Scalars("val_acc1")] == pytest.approx([r["val_acc1"] for r in rows])
+    assert sorted(os.listdir(out)) == ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "tb"]
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert set(ckpt) == CHECKPOINT_KEYS
+    assert (ckpt["epoch"], ckpt["step"], ckpt["arch"]) == (epochs, 0, "resnet18")
+    torchvision.models.resnet18(num_classes=4).load_state_dict(ckpt["state_dict"])  # strict: no "module." prefix
+    return ckpt
+
+
+def assert_preempted(job, out):
+    """A job signalled during epoch 0 exits 0, with a checkpoint at the step where every rank stopped.
+    Returns that step."""
+    ok(job)
+    stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", job.output)
+    assert stop, job.output
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["step"]) == (0, int(stop[1])) and 0 < ckpt["step"] < 12
+    assert not (out / "metrics.jsonl").exists()
+    return ckpt["step"]
 
 
 def make_image_folder(root, train_per_class=48, val_total=101, size=40, seed=0):
@@ -147,6 +235,14 @@ def make_image_folder(root, train_per_class=48, val_total=101, size=40, seed=0):
 @pytest.fixture(scope="session")
 def image_data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("imagefolder"))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(image_data, tmp_path_factory):
+    """torchrun, 2 processes, 3 epochs, deterministic: what resumed runs and other launchers must equal."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ok(torchrun("distributed.py", 2, image_data, *RESUME, "--epochs", "3", "--output-dir", out))
+    return out
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,12 +1,13 @@
 """Bad input: one line saying what is wrong and what to do, a non-zero exit, no hang, no process left."""
 import re
 import shutil
+import socket
 
 import pytest
 import torch
 import torchvision
 
-from conftest import FAST, python, torchrun
+from conftest import FAST, free_port, python, spawn, torchrun
 
 SCRIPT = "distributed.py"
 
@@ -58,15 +59,59 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_bad_input_gets_one_clear_line(name, image_data, tmp_path):
-    processes, make_args, expected, *env = CASES[name]
-    args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
-    env = env[0] if env else None
-    job = (python(SCRIPT, *args, env=env) if processes == 1 else torchrun(SCRIPT, processes, *args, env=env)).finish(timeout=120)
+SPAWN, DATAPARALLEL = "multiprocessing_distributed.py", "dataparallel.py"
+# The siblings run the same checks (byte-identical helpers): here each gets one case per way an error
+# surfaces - found by the parent or by one process, by every rank alike, by the rank that reads a file,
+# or mid-training.
+SIBLINGS = {SPAWN: ["missing data folder", "batch not divisible by world size", "corrupt JPEG on one of two ranks",
+                    "resume checkpoint of another arch", "loss becomes NaN"],
+            DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint truncated", "fp16 without CUDA"]}
+
+
+def launch(script, processes, *args, env=None):
+    if script == SPAWN:
+        return spawn(script, processes, *args, env=env)
+    return python(script, *args, env=env) if processes == 1 else torchrun(script, processes, *args, env=env)
+
+
+def assert_one_clear_line(job, expected, launcher_reports=False):
+    """Exit code 2 and one `error:` line; a launcher (torchrun) may add its own report and exit code."""
     errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
     assert job.returncode != 0, job.output
     assert len(errors) == 1 and re.search(expected, errors[0]), job.output
-    if processes == 1:  # under torchrun, torchrun adds its own report
+    if not launcher_reports:
         assert job.returncode == 2 and "Traceback" not in job.output, job.output
+
+
+@pytest.mark.parametrize("script,name", [(SCRIPT, name) for name in CASES] +
+                         [(script, name) for script, names in SIBLINGS.items() for name in names])
+def test_bad_input_gets_one_clear_line(script, name, image_data, tmp_path):
+    processes, make_args, expected, *env = CASES[name]
+    args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
+    job = launch(script, processes, *args, env=env[0] if env else None).finish(timeout=120)
+    assert_one_clear_line(job, expected, launcher_reports=processes > 1 and script == SCRIPT)
     assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
+
+
+def test_spawn_rendezvous_port_already_in_use(image_data, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        job = spawn(SPAWN, 2, image_data, *FAST, "--dist-url", f"tcp://127.0.0.1:{port}", "--output-dir", tmp_path).finish(60)
+    assert_one_clear_line(job, rf"--dist-url tcp://127.0.0.1:{port}: cannot listen on port {port} \(address already "
+                               r"in use\); another job may use it: choose a free port")
+
+
+def test_spawn_node_that_never_joins_ends_the_job_within_the_timeout(image_data, tmp_path):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    job = spawn(SPAWN, 2, image_data, *FAST, "--world-size", "2", "--node-rank", "0", "--dist-url", url,
+                "--dist-timeout", "5", "--output-dir", tmp_path).finish(60)
+    assert_one_clear_line(job, rf"only 2 of 4 ranks arrived at {url} within --dist-timeout 5s: start every node "
+                               r"\(--node-rank 0 to 1\) with the same --dist-url and --world-size 2")
+
+
+@pytest.mark.parametrize("script", [SPAWN, DATAPARALLEL])
+def test_gpus_on_a_machine_without_cuda(script, image_data, tmp_path):
+    job = python(script, image_data, *FAST, "--gpus", "0,2", "--output-dir", tmp_path).finish(60)
+    assert_one_clear_line(job, r"--gpus 0,2: CUDA is not available on this machine; drop --gpus to train on the CPU")

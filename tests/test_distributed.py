@@ -1,6 +1,5 @@
 """distributed.py launched by torchrun (and plain python) on CPU: learning, checkpoints, exact
 evaluation, equivalence across process counts, resume, preemption and faults."""
-import json
 import os
 import re
 import signal
@@ -9,31 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import FAST, load, ok, python, torchrun
+from conftest import (CHECKPOINT_KEYS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, assert_same_tensors, load, metrics, ok,
+                      python, torchrun)
 
 SCRIPT = "distributed.py"
-CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
-                   "world_size", "rng_states", "train_sums"}
-
-
-def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_tensors(a, b, exact=True, rtol=1e-4, atol=1e-6):
-    """Every tensor in two nested state dicts is equal (bit for bit, or allclose)."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=rtol, atol=atol)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same_tensors(a[key], b[key], exact, rtol, atol)
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same_tensors(x, y, exact, rtol, atol)
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +26,7 @@ def test_two_processes_learn_and_write_outputs_from_rank_0_only(trained):
     job, out = trained
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
     assert re.search(r"^Epoch 0 \[ 5/12\] loss [\d.]+ acc1 [\d.]+ lr 0.005 \d+ img/s$", job.output, re.M), job.output
-    rows = metrics(out)
-    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]  # one line per epoch: rank 1 wrote nothing
-    assert set(rows[0]) == {"epoch", "train_loss", "train_acc1", "val_loss", "val_acc1", "val_acc5", "lr",
-                            "img_per_s", "seconds"}
-    assert max(r["val_acc1"] for r in rows) >= 70, rows  # 4 classes: chance is 25%
-    assert rows[-1]["train_acc1"] >= 60 and rows[-1]["train_loss"] < rows[0]["train_loss"], rows
-    events = list((out / "tb").iterdir())
-    assert len(events) == 1, events
-    tb = EventAccumulator(str(events[0])).Reload()
-    assert [e.value for e in tb.Scalars("val_acc1")] == pytest.approx([r["val_acc1"] for r in rows])
-    assert sorted(os.listdir(out)) == ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "tb"]
+    assert_learned(out, epochs=4)  # one metrics line per epoch: rank 1 wrote nothing
 
 
 def test_checkpoint_is_complete_and_loads_into_a_plain_model(trained):
@@ -122,26 +91,6 @@ def test_pretrained_weights_come_through_the_torchvision_api(image_data, tmp_pat
     assert loaded["fc.weight"].shape == (4, 512)
 
 
-RESUME = [*FAST, "--deterministic", "-p", "1"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(image_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", out))
-    return out
-
-
-def assert_same_run(out, reference):
-    a, b = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
-    assert a["epoch"] == b["epoch"] == 3
-    assert_same_tensors(a["state_dict"], b["state_dict"])
-    assert_same_tensors(a["optimizer"], b["optimizer"])
-    for x, y in zip(metrics(out), metrics(reference)):
-        assert {k: v for k, v in x.items() if k not in ("img_per_s", "seconds")} == pytest.approx(
-            {k: v for k, v in y.items() if k not in ("img_per_s", "seconds")}, rel=1e-9)
-
-
 def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninterrupted):
     ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))
     job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
@@ -153,14 +102,9 @@ def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image
     job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.process_of_rank(1).send_signal(signal.SIGTERM)  # one rank only: the others must agree to stop with it
-    ok(job)
-    stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", job.output)
-    assert stop, job.output
-    ckpt = load(tmp_path / "checkpoint.pth.tar")
-    assert (ckpt["epoch"], ckpt["step"]) == (0, int(stop[1])) and 0 < ckpt["step"] < 12
-    assert not (tmp_path / "metrics.jsonl").exists()
+    step = assert_preempted(job, tmp_path)
     resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
-    assert f"(epoch 0, step {ckpt['step']})" in resumed.output
+    assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, uninterrupted)
 
 

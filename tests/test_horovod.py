@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from conftest import BIN, FAST, ROOT, Job, load, ok, python, torchrun
-from test_distributed import CHECKPOINT_KEYS, assert_same_tensors, metrics, val_line
+from conftest import BIN, CHECKPOINT_KEYS, FAST, ROOT, Job, assert_same_tensors, load, metrics, ok, python, torchrun
+from test_distributed import val_line
 
 SCRIPT = "horovod_distributed.py"
 EQUIVALENCE = [*FAST, "-a", "squeezenet1_1", "--dropout", "0", "--epochs", "2"]

@@ -1,0 +1,72 @@
+"""multiprocessing_distributed.py started with plain python on CPU: it spawns its own workers, equals
+torchrun, resumes after a forwarded SIGTERM, shares a machine with other jobs and nodes, and stops
+every process on Ctrl-C or when a worker dies."""
+import os
+import signal
+
+from conftest import RESUME, assert_learned, assert_preempted, assert_same_run, free_port, load, metrics, ok, python, spawn
+
+SCRIPT = "multiprocessing_distributed.py"
+SHORT = [*RESUME, "-p", "1000", "--epochs", "1"]
+
+
+def test_spawned_processes_learn_and_equal_torchrun(image_data, tmp_path, uninterrupted):
+    """Same seed, data and global batch: bit-identical weights and the same metrics.jsonl as
+    `torchrun --nproc_per_node=2 distributed.py`."""
+    job = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path))
+    assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
+    ckpt = assert_learned(tmp_path, epochs=3)
+    assert ckpt["world_size"] == 2 and len(ckpt["rng_states"]) == 2
+    assert ckpt["args"]["dist_url"].startswith("tcp://127.0.0.1:") and ckpt["args"]["nprocs"] == 2
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_sigterm_to_the_parent_reaches_every_worker_and_resume_auto_continues(image_data, tmp_path, uninterrupted):
+    job = spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    job.proc.send_signal(signal.SIGTERM)  # what `kill` or a scheduler sends the process it started
+    step = assert_preempted(job, tmp_path)
+    resumed = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
+    assert f"(epoch 0, step {step})" in resumed.output
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_two_jobs_on_one_machine_pick_different_ports(image_data, tmp_path):
+    jobs = [spawn(SCRIPT, 2, image_data, *SHORT, "--output-dir", tmp_path / str(i)) for i in range(2)]
+    for i, job in enumerate(jobs):
+        ok(job)
+        assert [r["epoch"] for r in metrics(tmp_path / str(i))] == [0]
+
+
+def test_two_nodes_on_one_machine_train_together(image_data, tmp_path):
+    """Two invocations, as on two nodes: one --dist-url, --node-rank 0 and 1, global ranks 0 and 1."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    nodes = [spawn(SCRIPT, 1, image_data, *SHORT, "--world-size", "2", "--node-rank", r, "--dist-url", url,
+                   "--dist-timeout", "120", "--output-dir", tmp_path) for r in (0, 1)]
+    first, second = (ok(node) for node in nodes)
+    assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in first.output
+    assert "Epoch 0:" not in second.output  # only global rank 0 prints and writes
+    assert [r["epoch"] for r in metrics(tmp_path)] == [0]
+    assert load(tmp_path / "checkpoint.pth.tar")["world_size"] == 2
+
+
+def test_a_killed_worker_ends_the_job_with_its_error(image_data, tmp_path):
+    job = spawn(SCRIPT, 2, image_data, *RESUME, "-j", "1", "--epochs", "50", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    job.spawned()[1].kill()
+    job.finish(timeout=90)  # fails if any process (worker, DataLoader worker) is left behind
+    assert job.returncode == 1, job.output
+    assert "error: worker 1 on this node terminated with signal SIGKILL" in job.output, job.output
+
+
+def test_ctrl_c_stops_every_process(image_data, tmp_path):
+    job = spawn(SCRIPT, 2, image_data, *RESUME, "-j", "2", "--epochs", "50", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+    job.finish(timeout=60)
+    assert job.returncode != 0
+
+
+def test_python_without_nprocs_runs_one_process_on_cpu(image_data, tmp_path):
+    job = ok(python(SCRIPT, image_data, *SHORT, "--output-dir", tmp_path))
+    assert "world size 1, device cpu, backend gloo, global batch 16 = 1 x 16" in job.output
