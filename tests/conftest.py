@@ -100,12 +100,15 @@ class Job:
         assert not orphans, f"processes left behind by {' '.join(self.cmd)}: {orphans}"
 
     def kill_all(self):
-        """Kills what is left; returns (pid, command line) of each."""
+        """Kills what is left and waits until it is gone; returns (pid, command line) of each."""
         killed = []
         for p in self.processes():
             with contextlib.suppress(psutil.Error):
                 killed.append((p.pid, " ".join(p.cmdline())[:150]))
                 p.kill()
+        deadline = time.time() + 10
+        while killed and self.processes() and time.time() < deadline:
+            time.sleep(0.1)
         return killed
 
     def kill(self):
