@@ -10,6 +10,8 @@ torch.autocast + GradScaler, fp32 master weights, torch.nn.SyncBatchNorm, DDP. a
         --rdzv-endpoint=HOST:29400 apex_distributed.py /data/imagenet
     # CPU demo, no dataset needed (gloo backend; bfloat16 stands in for float16)
     torchrun --standalone --nproc_per_node=2 apex_distributed.py --dummy --crop-size 64 -b 64 --epochs 3
+    # no launcher: one process
+    python apex_distributed.py --dummy
 
 What differs from distributed.py: --opt-level and --half-dtype replace --amp (amp_initialize: O1 autocast,
 O2 a half model with fp32 BatchNorm and fp32 master weights, O3 pure half; dynamic loss scaling for
@@ -505,8 +507,8 @@ def amp_initialize(model, optimizer, args, dtype, device, log):
     # as apex did: inputs are cast to the model's precision, outputs back to fp32 for the loss
     model.register_forward_pre_hook(lambda m, inputs: tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs))
     model.register_forward_hook(lambda m, inputs, output: output.float())
-    log(f"opt level O2: {name} model, fp32 BatchNorm, fp32 master weights, {scaling}" if level == "O2" else
-        f"opt level O3: pure {name} (weights, BatchNorm, optimizer state), no loss scaling: a speed baseline")
+    log(f"opt level O2: {name} model, fp32 BatchNorm, fp32 master weights, {scaling}" if level == "O2"
+        else f"opt level O3: pure {name} (weights, BatchNorm, optimizer state), no loss scaling: a speed baseline")
     return None, scaler, master_weights
 
 
@@ -653,7 +655,8 @@ def main_worker(args):
     train_data = SeededSamples(train_set)
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(batch_size=local_batch, num_workers=args.workers, pin_memory=device.type == "cuda",
-                       persistent_workers=args.workers > 0, collate_fn=functools.partial(fast_collate, memory_format=memory_format))
+                       persistent_workers=args.workers > 0,
+                       collate_fn=functools.partial(fast_collate, memory_format=memory_format))
     train_batches = Prefetcher(DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args),
                                device, args.channels_last)
     val_batches = Prefetcher(DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args),
@@ -669,7 +672,8 @@ def main_worker(args):
         if not args.evaluate:
             optimizer.load_state_dict(ckpt["optimizer"])
             scheduler.load_state_dict(ckpt["scheduler"])
-            scaler.load_state_dict(ckpt["scaler"])
+            if ckpt["scaler"]:  # empty when saved without loss scaling (O0, O3, bfloat16): the scaler starts afresh
+                scaler.load_state_dict(ckpt["scaler"])
             start_epoch, start_step, best_acc1 = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_acc1"]
             train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
             if ckpt.get("world_size") == world_size:
@@ -689,9 +693,10 @@ def main_worker(args):
     def checkpoint(epoch, step, sums, is_best):
         states = gather_rng_states()  # every rank takes part
         if rank == 0:
-            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": fp32_state_dict(model, master_weights),
-                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "scaler": scaler.state_dict(), "best_acc1": best_acc1, "args": vars(args),
+            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch,
+                             "state_dict": fp32_state_dict(model, master_weights), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "best_acc1": best_acc1,
+                             "args": vars(args),
                              "world_size": world_size, "rng_states": states, "train_sums": sums}, is_best, args.output_dir)
 
     if rank == 0:
