@@ -503,7 +503,8 @@ def amp_initialize(model, optimizer, args, dtype, device, log):
     for module in model.modules():  # O2 keeps BatchNorm in fp32: its statistics need the precision
         if level == "O3" or not isinstance(module, BATCHNORM):
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                t.data = t.data.to(dtype) if t.is_floating_point() else t.data
+                if t.is_floating_point():
+                    t.data = t.data.to(dtype)
     # as apex did: inputs are cast to the model's precision, outputs back to fp32 for the loss
     model.register_forward_pre_hook(lambda m, inputs: tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs))
     model.register_forward_hook(lambda m, inputs, output: output.float())
