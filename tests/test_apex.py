@@ -1,0 +1,126 @@
+"""apex_distributed.py under torchrun on CPU, bfloat16 standing in for float16: apex's opt levels O0-O3,
+O2's fp32 master weights and their bit-exact resume, normalization done once, and apex being absent."""
+import functools
+import importlib.util
+import math
+
+import pytest
+import torch
+import torchvision
+from torch.utils.data import DataLoader
+
+from conftest import FAST, ROOT, load, ok, torchrun
+from test_distributed import CHECKPOINT_KEYS, assert_same_tensors, metrics
+
+SCRIPT = "apex_distributed.py"
+RESUME = [*FAST, "--deterministic", "--opt-level", "O2"]
+# a build of apex for another CUDA or torch fails like this on import; the script must carry on without it
+BROKEN_APEX = 'raise OSError("libcudart.so.11.0: cannot open shared object file: No such file or directory")'
+
+
+def floating(state_dict):
+    return {k: v for k, v in state_dict.items() if v.is_floating_point()}
+
+
+def assert_trains(out, epochs):
+    rows = metrics(out)
+    assert [r["epoch"] for r in rows] == list(range(epochs))
+    assert all(math.isfinite(r[k]) for r in rows for k in ("train_loss", "val_loss")), rows
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"], rows
+    return rows
+
+
+@pytest.fixture(scope="module")
+def o2(image_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("o2")
+    return ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "2", "--output-dir", out)), out
+
+
+def test_o0_trains_in_fp32_despite_a_broken_apex(image_data, tmp_path):
+    fake = tmp_path / "site" / "apex"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(BROKEN_APEX)
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O0", "--epochs", "2", "--output-dir", tmp_path / "out",
+                      env={"PYTHONPATH": tmp_path / "site"}))
+    assert "apex unavailable (OSError: libcudart.so.11.0" in job.output
+    assert "opt level O0: fp32 throughout" in job.output and "bfloat16 stands in" not in job.output
+    assert_trains(tmp_path / "out", 2)
+
+
+def test_o1_autocast_learns_without_apex(image_data, tmp_path):
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O1", "--epochs", "3", "--output-dir", tmp_path))
+    assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
+    assert "--half-dtype float16 needs CUDA: bfloat16 stands in on CPU for O1" in job.output
+    assert "optimizer: torch.optim.SGD(fused=True); apex unavailable (ModuleNotFoundError: No module named 'apex')" in job.output
+    assert "opt level O1: fp32 weights, autocast to bfloat16, no loss scaling" in job.output
+    rows = assert_trains(tmp_path, 3)
+    assert max(r["val_acc1"] for r in rows) >= 70 and rows[-1]["train_acc1"] >= 60, rows  # 4 classes: chance is 25%
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert set(ckpt) == CHECKPOINT_KEYS and ckpt["args"]["opt_level"] == "O1"
+    assert ckpt["scaler"] == {}  # no loss scaling for bfloat16: an empty scaler state, restored as such
+
+
+def test_o2_keeps_fp32_master_weights_and_fp32_batchnorm(o2):
+    job, out = o2
+    assert "opt level O2: bfloat16 model, fp32 BatchNorm, fp32 master weights, no loss scaling" in job.output
+    assert_trains(out, 2)
+    ckpt = load(out / "checkpoint.pth.tar")
+    weights = floating(ckpt["state_dict"])
+    assert {v.dtype for v in weights.values()} == {torch.float32}
+    # master weights, not upcast bfloat16 ones: trained values that bfloat16 cannot hold
+    conv = weights["layer1.0.conv1.weight"]
+    assert not torch.equal(conv, conv.bfloat16().float())
+    assert all(s["momentum_buffer"].dtype == torch.float32 for s in ckpt["optimizer"]["state"].values())
+    torchvision.models.resnet18(num_classes=4).load_state_dict(ckpt["state_dict"])  # a plain fp32 model takes them
+
+
+def test_o2_resume_continues_bit_for_bit(image_data, tmp_path, o2):
+    _, reference = o2
+    ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))
+    job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "2", "--resume", "auto", "--output-dir", tmp_path))
+    assert "(epoch 1, step 0)" in job.output
+    a, b = load(tmp_path / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
+    assert a["epoch"] == b["epoch"] == 2
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    assert_same_tensors(a["optimizer"], b["optimizer"])
+    for x, y in zip(metrics(tmp_path), metrics(reference), strict=True):
+        assert {k: v for k, v in x.items() if k not in ("img_per_s", "seconds")} == pytest.approx(
+            {k: v for k, v in y.items() if k not in ("img_per_s", "seconds")}, rel=1e-9)
+
+
+def test_o3_trains_in_pure_half_with_loader_workers_and_channels_last(image_data, tmp_path):
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O3", "--epochs", "2", "-j", "1", "--channels-last",
+                      "--output-dir", tmp_path))
+    assert "opt level O3: pure bfloat16" in job.output
+    assert_trains(tmp_path, 2)
+    weights = floating(load(tmp_path / "checkpoint.pth.tar")["state_dict"])
+    # saved as fp32, every value one that bfloat16 holds exactly: the model was half throughout, BatchNorm too
+    assert all(v.dtype == torch.float32 and torch.equal(v, v.bfloat16().float()) for v in weights.values())
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("apex_distributed", ROOT / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_prefetcher_normalizes_once(script):
+    """uint8 images whose channels have the ImageNet mean and std (x 255) come out of fast_collate and the
+    Prefetcher with mean 0 and std 1, channels_last; normalizing twice would put the mean near -2."""
+    g = torch.Generator().manual_seed(0)
+    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in (script.IMAGENET_MEAN, script.IMAGENET_STD))
+    samples = [((mean + std * torch.randn(3, 16, 16, generator=g)).round().clamp(0, 255).to(torch.uint8), i % 4)
+               for i in range(64)]
+    collate = functools.partial(script.fast_collate, memory_format=torch.channels_last)
+    batches = list(script.Prefetcher(DataLoader(samples, batch_size=32, collate_fn=collate), torch.device("cpu"),
+                                     channels_last=True))
+    assert len(batches) == 2
+    images, target = batches[0]
+    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
+    assert target.dtype == torch.int64 and target.tolist() == [i % 4 for i in range(32)]
+    raw = torch.stack([s[0] for s in samples[:32]]).float()
+    assert torch.allclose(images, (raw - mean) / std, atol=1e-5)
+    assert images.mean(dim=(0, 2, 3)).tolist() == pytest.approx([0, 0, 0], abs=0.03)
+    assert images.std(dim=(0, 2, 3)).tolist() == pytest.approx([1, 1, 1], abs=0.03)
