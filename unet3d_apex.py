@@ -342,12 +342,12 @@ class SyntheticVolumes(Dataset):
         g = torch.Generator().manual_seed(self.offset + index)
         grid = torch.stack(torch.meshgrid(*(torch.arange(s, dtype=torch.float32) for s in self.shapes[0]), indexing="ij"))
         size = torch.tensor(self.shapes[0], dtype=torch.float32).view(3, 1, 1, 1)
-        image, mask = torch.randn(self.shapes[0], generator=g) * 0.6, torch.zeros(self.shapes[0], dtype=torch.bool)
+        image, mask = torch.randn(self.shapes[0], generator=g), torch.zeros(self.shapes[0], dtype=torch.bool)
         for _ in range(int(torch.randint(1, 4, (), generator=g))):
             centre = (torch.rand(3, 1, 1, 1, generator=g) * 0.6 + 0.2) * size
             radius = (torch.rand(3, 1, 1, 1, generator=g) * 0.15 + 0.12) * size
             inside = (((grid - centre) / radius) ** 2).sum(0) <= 1
-            image += inside * (0.8 + 0.5 * torch.rand((), generator=g))
+            image += inside * (1.0 + 0.5 * torch.rand((), generator=g))
             mask |= inside
         return volume_tensors(image.numpy(), mask.numpy())
 
