@@ -575,6 +575,13 @@ def gather_rng_states():
     return states
 
 
+def leave_together():
+    """A last barrier: a gloo rank that still works after its peer has exited can abort while it shuts down
+    ("terminate called without an active exception"), seen when evaluation work was uneven across ranks."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking
     all-reduce on a CPU group, so checking it every step costs no barrier and no GPU sync."""
@@ -698,6 +705,7 @@ def main_worker(args):
         log(f"val: loss {val['loss']:.6f} dice {val['dice']:.6f} iou {val['iou']:.6f} dice_per_volume "
             f"{val['dice_per_volume']:.6f} (intersection {val['intersection']}, predicted {val['predicted']}, "
             f"true {val['true']}, union {val['union']}, volumes {val['volumes']})")
+        leave_together()
         return
 
     def checkpoint(epoch, step, sums, is_best):
@@ -725,7 +733,7 @@ def main_worker(args):
                 checkpoint(epoch, train["preempted_at"], train["sums"], False)
                 log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step "
                     f"{train['preempted_at']}; continue with --resume auto")
-                return
+                break
             train_seconds = time.time() - started
             lr = optimizer.param_groups[0]["lr"]
             scheduler.step()
@@ -746,10 +754,11 @@ def main_worker(args):
                 f"{row['img_per_s']:.1f} img/s")
             if preemption.agreed_now():
                 log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; continue with --resume auto")
-                return
+                break
     finally:
         if writer:
             writer.close()
+    leave_together()
 
 
 def train_one_epoch(model, batches, optimizer, scaler, amp_dtype, preemption, epoch, start_step,
