@@ -230,14 +230,21 @@ CASES = {
                      r"cannot read volume .*train/images/vol9.npy \(.*\): replace or remove the file"),
     "tif": optional_library_case("tifffile", ".tif"),
     "nii.gz": optional_library_case("nibabel", ".nii.gz"),
-    "patch not divisible for the depth": (1, lambda d, t: [d, "--patch-size", "16", "12", "16"],
-                                          r"--patch-size 16 12 16: with --depth 3 each side must be a positive multiple of 4"),
+    "patch not divisible for the depth": (1, lambda d, t: [d, "--patch-size", "16", "10", "16"],
+                                          r"--patch-size 16 10 16: with --depth 3 each side must be a positive multiple of 4"),
     "batch not divisible by world size": (2, lambda d, t: [d, "-b", "3"], r"--batch-size 3 is the global batch and must divide by the world size 2"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"], r"--resume .*none.pth.tar: no such file"),
     "resume checkpoint of another model": (1, lambda d, t: [d, "--resume", other_model_checkpoint(t)],
                                            r"ckpt.pth.tar holds a U-Net with .*'base_channels': 16.*: pass --base-channels 16 --depth 4 --norm batch"),
-    "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"], r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
+    "a NaN voxel makes the loss NaN": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy", nan_volume()))],
+                                       r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
 }
+
+
+def nan_volume():
+    volume = np.zeros((12, 20, 20), np.float32)
+    volume[5, 5, 5] = np.nan
+    return volume
 
 
 def other_model_checkpoint(tmp_path):
