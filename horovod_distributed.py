@@ -558,7 +558,8 @@ def main_worker(args):
     if ckpt:
         if not args.evaluate:
             scheduler.load_state_dict(ckpt["scheduler"])
-            scaler.load_state_dict(ckpt["scaler"])
+            if ckpt["scaler"]:  # empty when saved without fp16 loss scaling
+                scaler.load_state_dict(ckpt["scaler"])
             start_epoch, start_step, best_acc1 = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_acc1"]
             train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
             if ckpt.get("world_size") == world_size:

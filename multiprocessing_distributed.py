@@ -667,7 +667,8 @@ def main_worker(local_rank, args):
         if not args.evaluate:
             optimizer.load_state_dict(ckpt["optimizer"])
             scheduler.load_state_dict(ckpt["scheduler"])
-            scaler.load_state_dict(ckpt["scaler"])
+            if ckpt["scaler"]:  # empty when saved without fp16 loss scaling
+                scaler.load_state_dict(ckpt["scaler"])
             start_epoch, start_step, best_acc1 = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_acc1"]
             train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
             if ckpt.get("world_size") == world_size:

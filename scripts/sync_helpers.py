@@ -18,6 +18,12 @@ SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "DataError", "set_seed",
           "save_checkpoint", "resume_path", "load_checkpoint", "check_and_load", "write_epoch"]
 # helpers a launcher has to do its own way: Horovod sums with hvd.allreduce, not torch.distributed
 OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}}
+# a script for another task than ImageNet carries the task-independent helpers, and the launcher part of
+# the launcher it shares with the reference
+OTHER_TASKS = {"unet3d_apex.py": ["UserError", "DataError", "set_seed", "rng_state", "set_rng_state", "reduce_tensor",
+                                  "TrainSampler", "SeededSamples", "ShardSampler", "atomic_write", "save_checkpoint",
+                                  "resume_path", "write_epoch", "find_processes", "start_process_group", "wrap_model",
+                                  "sync_buffers", "gather_rng_states", "Preemption", "main"]}
 
 
 def definitions(source):
@@ -45,7 +51,7 @@ def differences(script):
     ref_source, source = (ROOT / REFERENCE).read_text(), (ROOT / script).read_text()
     ref, own = definitions(ref_source), definitions(source)
     out = []
-    for name in SHARED:
+    for name in OTHER_TASKS.get(script, SHARED):
         if name in OWN_WAY.get(script, ()):
             continue
         text = ref_source[slice(*ref[name])]

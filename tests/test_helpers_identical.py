@@ -17,7 +17,8 @@ def test_the_reference_defines_every_shared_helper():
 
 
 def test_every_sibling_is_compared():
-    assert set(siblings()) >= {"multiprocessing_distributed.py", "dataparallel.py", "horovod_distributed.py"}
+    assert set(siblings()) >= {"multiprocessing_distributed.py", "dataparallel.py", "horovod_distributed.py",
+                               "apex_distributed.py", "unet3d_apex.py"}
 
 
 @pytest.mark.parametrize("script", siblings())
