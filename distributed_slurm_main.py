@@ -601,7 +601,8 @@ def main():
 
 
 def run(local_index, args):
-    rank = int(os.environ.get("SLURM_PROCID", 0)) + (local_index or 0)  # 0 for global rank 0, in both ways
+    # 0 on global rank 0 in both ways, and wherever the Slurm variables are not those of a task (errors)
+    rank = (local_index or 0) + (int(os.environ.get("SLURM_PROCID", 0)) if "SLURM_STEP_ID" in os.environ else 0)
     try:
         main_worker(args, local_index)
     except UserError as e:
