@@ -27,17 +27,22 @@ def slurm():
     env = {**os.environ, "LOCAL_SLURM_BASE": BASE, "LOCAL_SLURM_PORT": PORT, "LOCAL_SLURM_NODES": "2",
            "LOCAL_SLURM_REQUEUE_DELAY": "5"}
     started = time.time()
+    stop = ["bash", ROOT / "scripts" / "stop_slurm.sh"]
     try:
         done = subprocess.run(["bash", ROOT / "scripts" / "start_slurm.sh"], env=env, capture_output=True, text=True,
                               timeout=900)
     except subprocess.TimeoutExpired as e:
+        subprocess.run(stop, env=env, timeout=120)
         pytest.skip(f"scripts/start_slurm.sh timed out: {e.stderr}")
+    ours = re.search(r"(munged|slurmctld|slurmd \S+) started", done.stderr)  # leave a cluster we found running alone
     if done.returncode:
-        pytest.skip(f"no Slurm cluster (scripts/start_slurm.sh needs root and apt-get): {done.stderr[-2000:]}")
+        if ours:
+            subprocess.run(stop, env=env, timeout=120)
+        pytest.skip(f"no Slurm cluster (scripts/start_slurm.sh needs root and apt-get):\n{done.stderr[-3000:]}")
     print(f"\nSlurm cluster ready in {time.time() - started:.1f} s", file=sys.stderr)
     yield {"SLURM_CONF": f"{BASE}/etc/slurm.conf", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    if re.search(r"(munged|slurmctld|slurmd \S+) started", done.stderr):  # leave a cluster we found running alone
-        subprocess.run(["bash", ROOT / "scripts" / "stop_slurm.sh"], env=env, timeout=120, check=True)
+    if ours:
+        subprocess.run(stop, env=env, timeout=120, check=True)
 
 
 def slurm_tasks():
