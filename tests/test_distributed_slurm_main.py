@@ -74,17 +74,21 @@ def srun(env, srun_args, *args):
     return Job(["srun", "--kill-on-bad-exit=1", *srun_args, sys.executable, ROOT / SCRIPT, *args], env=env)
 
 
-def wait_for_job(job_id, until, timeout):
-    """Polls `scontrol show job` until until(fields) is true; returns the fields (JobState, Restarts, ...)."""
+def slurm_command(slurm, *cmd, **kwargs):
+    return subprocess.run([str(c) for c in cmd], env={**os.environ, **slurm}, capture_output=True, text=True, **kwargs)
+
+
+def wait_for_job(slurm, job_id, log, timeout):
+    """Polls `scontrol show job` until the job has ended; returns its fields (JobState, Restarts, ...)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        text = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+        text = slurm_command(slurm, "scontrol", "-o", "show", "job", job_id, check=True).stdout
         fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
-        if fields and until(fields):
+        if fields["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return fields
         time.sleep(0.5)
-    subprocess.run(["scancel", job_id])
-    pytest.fail(f"job {job_id} did not get there in {timeout}s: {text}")
+    slurm_command(slurm, "scancel", job_id)
+    pytest.fail(f"job {job_id} did not end in {timeout}s: {text}\n{log.read_text() if log.exists() else ''}")
 
 
 def test_hostlist_expansion_matches_scontrol(slurm):
@@ -92,8 +96,7 @@ def test_hostlist_expansion_matches_scontrol(slurm):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for hostlist in ("127.0.0.[2-3]", "node[01-04,07]", "node[01-03,07],gpu1,login", "a[1-2]-ib[3-4]", "n[8-11]", "x"):
-        expected = subprocess.run(["scontrol", "show", "hostnames", hostlist], env={**os.environ, **slurm},
-                                  capture_output=True, text=True, check=True).stdout.split()
+        expected = slurm_command(slurm, "scontrol", "show", "hostnames", hostlist, check=True).stdout.split()
         assert module.expand_hostlist(hostlist) == expected
 
 
@@ -147,18 +150,16 @@ def sbatch_example(name, tmp_path):
 def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
         example, resources, args, slurm, image_data, tmp_path, uninterrupted):  # noqa: F811
     out, log = tmp_path / "out", tmp_path / "job.log"
-    env = {**os.environ, **slurm, "OMP_NUM_THREADS": "1"}
-    submitted = subprocess.run(["sbatch", "--parsable", *resources, "--cpus-per-task=1", f"--chdir={ROOT}",
-                                f"--output={log}", sbatch_example(example, tmp_path), image_data, *RESUME,
-                                "--epochs", "3", *args, "--output-dir", out],
-                               env=env, capture_output=True, text=True, check=True)
+    submitted = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", *resources, "--cpus-per-task=1",
+                              f"--chdir={ROOT}", f"--output={log}", sbatch_example(example, tmp_path), image_data,
+                              *RESUME, "--epochs", "3", *args, "--output-dir", out, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.time() + 300
     while "Epoch 0 [ 3/12]" not in (log.read_text() if log.exists() else ""):
         assert time.time() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR1", job_id], env=env, check=True)  # what --signal=USR1@120 sends
-    done = wait_for_job(job_id, lambda f: f["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 400)
+    slurm_command(slurm, "scancel", "--signal=USR1", job_id, check=True)  # what --signal=USR1@120 sends
+    done = wait_for_job(slurm, job_id, log, 300)
     text = log.read_text()
     assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1", text
     stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", text)
@@ -192,8 +193,8 @@ def test_a_wrong_rendezvous_file_location_is_one_clear_error(slurm, image_data, 
 
 def test_python_in_the_batch_script_without_srun_is_one_clear_error(slurm, image_data, tmp_path):
     log = tmp_path / "job.log"
-    subprocess.run(["sbatch", "--wait", "-n2", f"--output={log}", f"--chdir={ROOT}", "--wrap",
-                    f"{sys.executable} {SCRIPT} {image_data} --epochs 1"], env={**os.environ, **slurm}, timeout=120)
+    slurm_command(slurm, "sbatch", "--wait", "-n2", f"--output={log}", f"--chdir={ROOT}", "--wrap",
+                  f"{sys.executable} {SCRIPT} {image_data} --epochs 1", timeout=120)
     assert log.read_text().startswith("error: this is the batch script of a job of 2 tasks, not one of the tasks: "
                                       "start the training with srun"), log.read_text()
 
