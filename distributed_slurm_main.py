@@ -492,7 +492,7 @@ def rendezvous(args):
     return f"tcp://{host}:{port}"
 
 
-def start_process_group(args, device, log, rank, world_size):
+def start_process_group(args, device, rank, world_size):
     if world_size == 1:
         return None
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -568,9 +568,13 @@ def requeue(rank, preemption, log):
     job = os.environ.get("SLURM_JOB_ID")
     if rank != 0 or not job or os.environ.get("ENVIRONMENT") != "BATCH" or preemption.signum == signal.SIGTERM:
         return
-    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    log(f"requeued job {job}; it will resume from this checkpoint" if done.returncode == 0 else
-        f"could not requeue job {job} ({done.stderr.strip()}): submit it again, it resumes from this checkpoint")
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        failed = done.stderr.strip() if done.returncode else None
+    except OSError as e:  # no scontrol on the compute nodes
+        failed = str(e)
+    log(f"could not requeue job {job} ({failed}): submit it again, it resumes from this checkpoint" if failed else
+        f"requeued job {job}; it will resume from this checkpoint")
 
 
 def start_node_processes(args):
@@ -626,7 +630,7 @@ def main_worker(args, local_index=None):
     num_classes = len(train_set.classes)
     set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
 
-    group = start_process_group(args, device, log, rank, world_size)
+    group = start_process_group(args, device, rank, world_size)
     preemption = Preemption(group)
     local_batch = args.batch_size // world_size
     log(f"{os.path.basename(__file__)}: world size {world_size}, device {device.type}, backend "
@@ -718,7 +722,8 @@ def main_worker(args, local_index=None):
                 f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | {row['img_per_s']:.0f} img/s")
             if preemption.agreed_now():
                 log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; continue with --resume auto")
-                requeue(rank, preemption, log)
+                if epoch + 1 < args.epochs:
+                    requeue(rank, preemption, log)
                 return
     finally:
         if writer:

@@ -169,12 +169,32 @@ def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     assert_same_run(out, uninterrupted)
 
 
+def test_scancel_checkpoints_but_does_not_requeue(slurm, image_data, tmp_path):
+    """scancel sends SIGTERM: the job saves its position and stays cancelled (a requeue would undo scancel)."""
+    log = tmp_path / "job.log"
+    job_id = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", "--requeue", "-N1", "-n2",
+                           f"--chdir={ROOT}", f"--output={log}", "--wrap",
+                           f"srun --kill-on-bad-exit=1 {sys.executable} {SCRIPT} {image_data} {' '.join(RESUME)} "
+                           f"--epochs 3 --output-dir {tmp_path}", check=True).stdout.strip().split(";")[0]
+    deadline = time.time() + 300
+    while "Epoch 0 [ 2/12]" not in (log.read_text() if log.exists() else ""):
+        assert time.time() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    slurm_command(slurm, "scancel", job_id, check=True)
+    done = wait_for_job(slurm, job_id, log, 120)
+    time.sleep(8)  # longer than the requeue delay: a requeued job would be back by now
+    done = wait_for_job(slurm, job_id, log, 10)
+    assert (done["JobState"], done["Restarts"]) == ("CANCELLED", "0"), log.read_text()
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["world_size"]) == (0, 2) and 2 <= ckpt["step"] < 12, log.read_text()
+
+
 @pytest.mark.parametrize("way", ["one task per process", "one task per node"])
 def test_a_failing_task_ends_the_whole_job(way, slurm, image_data, tmp_path):
     extra = ["--procs-per-node", "1"] if way == "one task per node" else []
     job = srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "--epochs", "50", *extra, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
-    task = next(p for p in slurm_tasks() if p.environ().get("SLURM_PROCID") == "1")
+    task = next(p for p in slurm_tasks() if p.environ().get("SLURM_PROCID") == "1" and SCRIPT in " ".join(p.cmdline()))
     # the training process: the task itself, or with --procs-per-node the process the task spawned
     victim = next(c for c in task.children() if "spawn_main" in " ".join(c.cmdline())) if extra else task
     victim.send_signal(signal.SIGKILL)
