@@ -1,0 +1,806 @@
+"""ImageNet training with DistributedDataParallel on a Slurm cluster, started by srun.
+
+The Slurm sibling of distributed.py: the same program, with rank, world size and rendezvous taken
+from Slurm, and a job that requeues itself when its time runs out. Two ways to start it:
+
+    # 1. one task per GPU (the common way): srun starts every training process
+    srun -N2 --ntasks-per-node=4 --gpus-per-task=1 --kill-on-bad-exit=1 python distributed_slurm_main.py /data/imagenet
+    # 2. one task per node, which starts one process per GPU itself
+    srun -N2 --ntasks-per-node=1 --gpus-per-node=4 --kill-on-bad-exit=1 \
+        python distributed_slurm_main.py /data/imagenet --procs-per-node 4
+    # batch jobs that requeue themselves before the time limit: slurm/*.sbatch
+    # CPU demo, no dataset needed (gloo backend)
+    srun -N1 -n2 python distributed_slurm_main.py --dummy --crop-size 64 -b 64 --epochs 3
+    # outside Slurm: one process (or --procs-per-node N processes on this machine)
+    python distributed_slurm_main.py --dummy
+
+What differs from distributed.py: rank = SLURM_PROCID and world = SLURM_NTASKS (or, with
+--procs-per-node N, rank = SLURM_NODEID * N + local index and world = SLURM_NTASKS * N); the
+rendezvous is the first node of the job step (or --dist-file); after SIGUSR1 (sbatch
+--signal=USR1@120) rank 0 requeues the job, and the restarted job resumes from the step it stopped at.
+"""
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import math
+import os
+import random
+import shutil
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import torchvision
+from PIL import Image
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.tensorboard import SummaryWriter
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (not needed with --dummy)")
+    p.add_argument("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
+    p.add_argument("--dummy-size", type=int, default=1280, metavar="N", help="with --dummy: training images (validation gets N/4)")
+    p.add_argument("-a", "--arch", default="resnet18", metavar="ARCH", help="any torchvision classification model (default: resnet18)")
+    p.add_argument("--pretrained", action="store_true", help="start from the model's default torchvision weights")
+    p.add_argument("--dropout", type=float, default=None, help="dropout rate for models that take one (0 turns it off)")
+    p.add_argument("-j", "--workers", type=int, default=4, help="data loading processes per training process")
+    p.add_argument("--epochs", type=int, default=90)
+    p.add_argument("-b", "--batch-size", type=int, default=256, help="global batch over all processes; must divide by the world size")
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate for the global batch")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
+    p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
+    p.add_argument("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step epochs")
+    p.add_argument("--lr-step", type=int, default=30, help="epochs between step decays")
+    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warmup from 0 to --lr")
+    p.add_argument("--crop-size", type=int, default=224)
+    p.add_argument("--val-resize", type=int, default=256, help="validation images are resized to this, then center-cropped")
+    p.add_argument("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    p.add_argument("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
+    p.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
+    p.add_argument("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same data and world-size-independent results")
+    p.add_argument("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
+    p.add_argument("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
+    p.add_argument("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for a peer")
+    p.add_argument("--procs-per-node", type=int, default=0, metavar="N", help="one Slurm task per node starts N processes, one per GPU (0: srun starts every process)")
+    p.add_argument("--dist-file", default=None, metavar="PATH", help="rendezvous through this file on a filesystem all nodes share, instead of TCP to the first node")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared byte-for-byte by every script of this repository (tests/test_helpers_identical.py)
+# ---------------------------------------------------------------------------------------------
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class UserError(Exception):
+    """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
+
+    def __str__(self):
+        # raised in a DataLoader worker, the message comes back wrapped in the worker's traceback
+        return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1]
+
+
+class DataError(UserError):
+    """A bad input file, found by the one rank that reads it: that rank reports it."""
+
+
+def set_seed(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"].numel():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def reduce_tensor(tensor):
+    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
+    samples were split between ranks."""
+    tensor = tensor.clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def accuracy(output, target, topk=(1, 5)):
+    """How many samples have their target among the top-k outputs, for each k (a device tensor)."""
+    maxk = min(max(topk), output.size(1))
+    hits = output.topk(maxk, dim=1).indices.eq(target[:, None])
+    return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk])
+
+
+class Metrics:
+    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses): updating
+    them never waits for the GPU; `summary` reduces them over all ranks when a number is wanted."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+
+    def update(self, loss_sum, output, target):
+        loss_sum = loss_sum.detach().double().reshape(1)
+        self.sums += torch.cat([loss_sum, accuracy(output.detach(), target).double(),
+                                torch.full((1,), target.numel(), dtype=torch.float64, device=target.device),
+                                (~torch.isfinite(loss_sum)).double()])
+
+    def summary(self):
+        loss, c1, c5, n, bad = reduce_tensor(self.sums).tolist()
+        n_ = max(n, 1)
+        return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_,
+                "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
+
+
+class SyntheticImages(Dataset):
+    """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
+    its own noise; image i is the same on every call, rank and run."""
+
+    def __init__(self, size, num_classes, image_size, transform, offset=0):
+        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+        self.transform, self.offset = transform, offset
+        g = torch.Generator().manual_seed(12345)
+        self.colours = torch.rand(num_classes, 3, 1, 1, generator=g) * 160 + 48
+        self.classes = [f"class{k}" for k in range(num_classes)]
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        target = index % self.num_classes
+        g = torch.Generator().manual_seed(self.offset + index)
+        wave = torch.sin(torch.arange(self.image_size) * (target % 5 + 1) * math.pi / 8) * 24
+        stripes = wave[:, None] if target % 2 else wave[None, :]
+        img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
+        return self.transform(img.clamp(0, 255).to(torch.uint8)), target
+
+
+def load_image(path):
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"cannot read image {path} ({e}): replace or remove the file") from None
+
+
+def build_datasets(args):
+    """Workers decode and crop; they hand uint8 CxHxW tensors on, normalization happens on the device."""
+    train_tf = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip(),
+                           v2.ToImage(), v2.ToPureTensor()])
+    val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size),
+                         v2.ToImage(), v2.ToPureTensor()])
+    if args.dummy:
+        return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),
+                SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))
+    sets = []
+    for split, tf in (("train", train_tf), ("val", val_tf)):
+        root = os.path.join(args.data, split)
+        try:
+            sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
+        except FileNotFoundError as e:
+            raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs at least one image") from None
+    if sets[0].classes != sets[1].classes:
+        raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")
+    return sets
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that can start mid-epoch (resume) and hands out (index, seed) pairs. The
+    seed fixes each sample's augmentation from (--seed, epoch, index) alone, so training does not
+    depend on the number of processes or loader workers, or on where an epoch was resumed."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
+        self.start = 0  # samples of this rank's share already trained on in this epoch
+
+    def __iter__(self):
+        base = (self.seed * 100_003 + self.epoch) * 1_000_000_007
+        return iter([(i, (base + i) % 2**63) for i in list(super().__iter__())[self.start:]])
+
+    def __len__(self):
+        return super().__len__() - self.start
+
+
+class SeededSamples(Dataset):
+    """Takes TrainSampler's (index, seed) keys and draws the sample's random augmentation from its seed."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+class ShardSampler(Sampler):
+    """indices[rank::world] with no padding: over all ranks every sample is evaluated exactly once."""
+
+    def __init__(self, size, rank, world_size):
+        self.indices = range(rank, size, world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+class Prefetcher:
+    """Yields a loader's batches already on the device, one batch ahead: the copy runs on a side CUDA
+    stream on GPU, and uint8 becomes normalized float exactly once, on the device."""
+
+    def __init__(self, loader, device, channels_last=False):
+        self.loader, self.device = loader, device
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _to_device(self, batch):
+        images, target = batch
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            images = images.to(self.device, non_blocking=True)
+            target = target.to(self.device, non_blocking=True)
+            images = images.float().sub_(self.mean).div_(self.std).contiguous(memory_format=self.memory_format)
+        return images, target
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        upcoming = next(batches, None)
+        upcoming = upcoming and self._to_device(upcoming)
+        while upcoming:
+            if self.stream is not None:
+                main_stream = torch.cuda.current_stream(self.device)
+                main_stream.wait_stream(self.stream)
+                for t in upcoming:
+                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
+            batch, upcoming = upcoming, next(batches, None)
+            upcoming = upcoming and self._to_device(upcoming)
+            yield batch
+
+
+def build_model(args, num_classes):
+    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
+    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning)."""
+    try:
+        model = torchvision.models.get_model(args.arch, num_classes=num_classes,
+                                             **({} if args.dropout is None else {"dropout": args.dropout}))
+    except TypeError as e:
+        raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
+    if args.pretrained:
+        weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+        try:
+            pretrained = weights.get_state_dict(progress=False)
+        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
+            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
+                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
+        own = model.state_dict()
+        model.load_state_dict({k: v for k, v in pretrained.items() if own[k].shape == v.shape}, strict=False)
+    return model
+
+
+def param_groups(model, args):
+    if not args.no_wd_norm_bias:
+        return [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+    norm_types = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            (no_decay if isinstance(module, norm_types) or name == "bias" else decay).append(param)
+    return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_factor(step, steps_per_epoch, args):
+    """Multiplier of --lr after `step` optimizer steps: linear warmup, then step or cosine decay."""
+    epoch = step / steps_per_epoch
+    if epoch < args.warmup_epochs:
+        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
+    if args.lr_schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)))
+    return 0.1 ** (int(epoch) // args.lr_step)
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
+    moment leaves either the old file or the new one, never a torn one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(state, is_best, output_dir):
+    path = os.path.join(output_dir, "checkpoint.pth.tar")
+    atomic_write(path, lambda f: torch.save(state, f))
+    if is_best:
+        with open(path, "rb") as src:
+            atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
+
+
+def resume_path(args):
+    if args.resume == "auto":
+        path = os.path.join(args.output_dir, "checkpoint.pth.tar")
+        return path if os.path.exists(path) else None
+    if args.resume and not os.path.exists(args.resume):
+        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
+    return args.resume or None
+
+
+def load_checkpoint(path, device, arch):
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
+                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
+    if ckpt.get("arch", arch) != arch:
+        raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another checkpoint")
+    consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
+    return ckpt
+
+
+def check_and_load(args, world_size, device):
+    """Everything that can fail on bad input, done before any process waits for another. Returns
+    the datasets, the model (the same initial weights on every rank) and the checkpoint, if any."""
+    if args.arch not in MODEL_NAMES:
+        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
+                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
+                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    if args.amp == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
+    if not args.dummy and not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
+    for split in () if args.dummy else ("train", "val"):
+        if not os.path.isdir(os.path.join(args.data, split)):
+            raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, one folder per class")
+    ckpt_path = resume_path(args)
+    ckpt = load_checkpoint(ckpt_path, device, args.arch) if ckpt_path else None
+    train_set, val_set = build_datasets(args)
+    if len(train_set) < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: lower -b")
+    set_seed(args.seed)
+    return train_set, val_set, build_model(args, len(train_set.classes)), ckpt_path, ckpt
+
+
+def write_epoch(row, writer, output_dir):
+    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items():
+        if key != "epoch":
+            writer.add_scalar(key, value, row["epoch"])
+    writer.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher-specific part: Slurm's environment, the rendezvous, the process group, DDP, requeueing
+# ---------------------------------------------------------------------------------------------
+SLURM_VARS = ("SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
+
+
+def slurm_task():
+    """(procid, ntasks, localid, nodeid) of this srun task; a job of one task when srun did not start it."""
+    env, present = os.environ, [v for v in SLURM_VARS if v in os.environ]
+    if "SLURM_STEP_ID" not in env and "SLURM_JOB_ID" in env:  # the batch script (or salloc shell) itself
+        if int(env.get("SLURM_NTASKS", 1)) > 1:
+            raise UserError(f"this is the batch script of a job of {env['SLURM_NTASKS']} tasks, not one of the tasks: "
+                            f"start the training with srun python {os.path.basename(__file__)} ...")
+        return 0, 1, 0, 0
+    if present and len(present) < len(SLURM_VARS):
+        raise UserError(f"{', '.join(present)} set but not {', '.join(v for v in SLURM_VARS if v not in present)}: "
+                        f"start the script with srun, or unset the SLURM_* variables to run one process")
+    return tuple(int(env[v]) for v in SLURM_VARS[2:]) if present else (0, 1, 0, 0)
+
+
+def expand_hostlist(hostlist):
+    """Slurm's compressed host list, e.g. node[01-03,07],gpu1 -> node01 node02 node03 node07 gpu1."""
+    hosts = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        m = re.match(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if not m:
+            hosts.append(item)
+            continue
+        head, ranges, tail = m.groups()
+        for lo, _, hi in (r.partition("-") for r in ranges.split(",")):
+            hosts += [h for i in range(int(lo), int(hi or lo) + 1) for h in expand_hostlist(f"{head}{i:0{len(lo)}d}{tail}")]
+    return hosts
+
+
+def find_processes(args, local_index=None):
+    """(rank, local_rank, world_size, device). One task per GPU: from srun's task variables. One task per
+    node (--procs-per-node N): this task's N processes take the ranks SLURM_NODEID * N + local_index;
+    the world is SLURM_NTASKS * N (not SLURM_NPROCS, which counts tasks: the job would wait forever)."""
+    procid, ntasks, localid, nodeid = slurm_task()
+    if args.procs_per_node:
+        if ntasks != int(os.environ.get("SLURM_NNODES", ntasks)):
+            raise UserError(f"--procs-per-node needs one task per node, not {ntasks} tasks on "
+                            f"{os.environ['SLURM_NNODES']} nodes: srun --ntasks-per-node=1")
+        rank, local_rank, world_size = nodeid * args.procs_per_node + local_index, local_index, ntasks * args.procs_per_node
+    else:
+        rank, local_rank, world_size = procid, localid, ntasks
+    if args.dist_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.dist_file))):
+        raise UserError(f"--dist-file {args.dist_file}: folder {os.path.dirname(os.path.abspath(args.dist_file))} not found; "
+                        f"give a path in a folder that every node shares (e.g. on the filesystem of your home)")
+    if not torch.cuda.is_available():
+        return rank, local_rank, world_size, torch.device("cpu")
+    gpu = 0 if torch.cuda.device_count() == 1 else local_rank  # --gpus-per-task=1 shows each task only its own GPU
+    if gpu >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        f"start at most that many processes per node, or ask Slurm for --gpus-per-task=1")
+    torch.cuda.set_device(gpu)  # before anything touches CUDA, or every rank crowds GPU 0
+    return rank, local_rank, world_size, torch.device("cuda", gpu)
+
+
+def rendezvous(args):
+    """A file on a shared filesystem (--dist-file), else TCP to the first node of the job step on a port
+    derived from the job id, so that jobs sharing a node do not collide. MASTER_ADDR / MASTER_PORT override."""
+    env = os.environ
+    if args.dist_file:  # one file per job step and restart: a file left from an earlier run must not be reused
+        return "file://" + os.path.abspath(f"{args.dist_file}.{env.get('SLURM_JOB_ID', 0)}.{env.get('SLURM_STEP_ID', 0)}."
+                                           f"{env.get('SLURM_RESTART_COUNT', 0)}")
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    host = env.get("MASTER_ADDR") or (expand_hostlist(nodes)[0] if nodes else "127.0.0.1")
+    port = env.get("MASTER_PORT") or (20000 + int(env["SLURM_JOB_ID"]) % 40000 if "SLURM_JOB_ID" in env else 29500)
+    return f"tcp://{host}:{port}"
+
+
+def start_process_group(args, device, rank, world_size):
+    if world_size == 1:
+        return None
+    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, init_method=rendezvous(args), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.dist_timeout),
+                            device_id=device if device.type == "cuda" else None)
+    # a CPU group for the preemption flag: agreeing on it never waits on the GPU
+    return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def wrap_model(model, device):
+    if not dist.is_initialized():
+        return model
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def sync_buffers(model):
+    """BatchNorm statistics drift apart per rank; evaluate and save rank 0's, as a checkpoint holds."""
+    if dist.is_initialized():
+        for buf in model.buffers():
+            dist.broadcast(buf, 0)
+
+
+def gather_rng_states():
+    if not dist.is_initialized():
+        return [rng_state()]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking
+    all-reduce on a CPU group, so checking it every step costs no barrier and no GPU sync."""
+
+    def __init__(self, group):
+        self.group, self.requested, self.work, self.signum = group, False, None, None
+        self.flag = torch.zeros(1)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested, self.signum = True, signum
+
+    def agreed(self):
+        """Called by every rank at every step: True on all ranks at the same step."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.work is not None:
+            self.work.wait()
+            stop = self.flag.item() > 0
+        self.flag.fill_(float(self.requested))
+        self.work = None if stop else dist.all_reduce(self.flag, group=self.group, async_op=True)
+        return stop
+
+    def agreed_now(self):
+        """Blocking agreement, at the end of an epoch."""
+        if self.group is None:
+            return self.requested
+        if self.work is not None:
+            self.work.wait()
+        self.work = None
+        self.flag.fill_(float(self.requested))
+        dist.all_reduce(self.flag, group=self.group)
+        return self.flag.item() > 0
+
+
+def requeue(rank, preemption, log):
+    """Rank 0 of a batch job puts it back in the queue after the preemption checkpoint; the restart
+    resumes from it. Not after SIGTERM: that is scancel (a requeue would undo it), or a preemption
+    after which Slurm requeues the job itself, or the time limit without --signal."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if rank != 0 or not job or os.environ.get("ENVIRONMENT") != "BATCH" or preemption.signum == signal.SIGTERM:
+        return
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        failed = done.stderr.strip() if done.returncode else None
+    except OSError as e:  # no scontrol on the compute nodes
+        failed = str(e)
+    log(f"could not requeue job {job} ({failed}): submit it again, it resumes from this checkpoint" if failed else
+        f"requeued job {job}; it will resume from this checkpoint")
+
+
+def start_node_processes(args):
+    """One task per node: start --procs-per-node processes and pass Slurm's signals on to them; if one
+    fails, stop the others, and fail this task so that srun --kill-on-bad-exit ends the job."""
+    forward = lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()]  # noqa: E731
+    context = mp.start_processes(run, args=(args,), nprocs=args.procs_per_node, join=False, start_method="spawn")
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
+    try:
+        while not context.join(grace_period=5):
+            pass
+    except mp.ProcessExitedException as e:
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+    except mp.ProcessRaisedException:
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------------------------------------
+def main():
+    args = parse_args()
+    if not args.resume and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
+        args.resume = "auto"  # a requeued job continues where it stopped
+    if args.procs_per_node:
+        start_node_processes(args)
+    else:
+        run(None, args)
+
+
+def run(local_index, args):
+    # 0 on global rank 0 in both ways, and wherever the Slurm variables are not those of a task (errors)
+    rank = (local_index or 0) + (int(os.environ.get("SLURM_PROCID", 0)) if "SLURM_STEP_ID" in os.environ else 0)
+    try:
+        main_worker(args, local_index)
+    except UserError as e:
+        if rank == 0 or isinstance(e, DataError):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main_worker(args, local_index=None):
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = not args.deterministic
+    rank, local_rank, world_size, device = find_processes(args, local_index)
+    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
+
+    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
+    num_classes = len(train_set.classes)
+    set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
+
+    group = start_process_group(args, device, rank, world_size)
+    preemption = Preemption(group)
+    local_batch = args.batch_size // world_size
+    log(f"{os.path.basename(__file__)}: world size {world_size}, device {device.type}, backend "
+        f"{dist.get_backend() if group else 'none'}, global batch {args.batch_size} = {world_size} x {local_batch}, "
+        f"{args.arch}, {num_classes} classes, {len(train_set)} train / {len(val_set)} val images")
+
+    if args.sync_bn and device.type == "cuda":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn:
+        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    amp_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
+    scaler = torch.amp.GradScaler("cuda", enabled=args.amp == "fp16")
+
+    train_data = SeededSamples(train_set)
+    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
+    loader_args = dict(batch_size=local_batch, num_workers=args.workers, pin_memory=device.type == "cuda",
+                       persistent_workers=args.workers > 0)
+    train_batches = Prefetcher(DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args),
+                               device, args.channels_last)
+    val_batches = Prefetcher(DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args),
+                             device, args.channels_last)
+    steps_per_epoch = len(train_batches)
+
+    optimizer = torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
+    start_epoch, start_step, best_acc1, train_sums = 0, 0, 0.0, None
+    if ckpt:
+        model.load_state_dict(ckpt["state_dict"])
+        if not args.evaluate:
+            optimizer.load_state_dict(ckpt["optimizer"])
+            scheduler.load_state_dict(ckpt["scheduler"])
+            scaler.load_state_dict(ckpt["scaler"])
+            start_epoch, start_step, best_acc1 = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_acc1"]
+            train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
+            if ckpt.get("world_size") == world_size:
+                set_rng_state(ckpt["rng_states"][rank])
+            else:
+                log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
+                    f"random states start afresh (results match, but not bit for bit)")
+        log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
+    ddp_model = wrap_model(model, device)
+
+    if args.evaluate:
+        val = evaluate(model, val_batches, amp_dtype)
+        log(f"val: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
+            f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
+        return
+
+    def checkpoint(epoch, step, sums, is_best):
+        sync_buffers(model)
+        states = gather_rng_states()  # every rank takes part
+        if rank == 0:
+            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": model.state_dict(),
+                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "scaler": scaler.state_dict(), "best_acc1": best_acc1, "args": vars(args),
+                             "world_size": world_size, "rng_states": states, "train_sums": sums}, is_best, args.output_dir)
+
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=start_epoch) if rank == 0 else None
+    show_bar = rank == 0 and sys.stdout.isatty()
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch)
+            train_sampler.start = start_step * local_batch
+            started = time.time()
+            train = train_one_epoch(ddp_model, train_batches, optimizer, scheduler, scaler, amp_dtype, preemption,
+                                    epoch, start_step, steps_per_epoch, train_sums, args, log, show_bar)
+            start_step, train_sums = 0, None
+            if train["preempted_at"] is not None:
+                checkpoint(epoch, train["preempted_at"], train["sums"], False)
+                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step "
+                    f"{train['preempted_at']}; continue with --resume auto")
+                requeue(rank, preemption, log)
+                return
+            train_seconds = time.time() - started
+            sync_buffers(model)
+            val = evaluate(model, val_batches, amp_dtype)
+            is_best = val["acc1"] > best_acc1
+            best_acc1 = max(best_acc1, val["acc1"])
+            checkpoint(epoch + 1, 0, None, is_best)
+            row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
+                   "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
+                   "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
+            if rank == 0:
+                write_epoch(row, writer, args.output_dir)
+            log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
+                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | {row['img_per_s']:.0f} img/s")
+            if preemption.agreed_now():
+                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; continue with --resume auto")
+                if epoch + 1 < args.epochs:
+                    requeue(rank, preemption, log)
+                return
+    finally:
+        if writer:
+            writer.close()
+
+
+def train_one_epoch(model, batches, optimizer, scheduler, scaler, amp_dtype, preemption, epoch, start_step,
+                    steps_per_epoch, sums, args, log, show_bar):
+    """One pass over this rank's share of the data. Returns the epoch's summary (loss, acc1, count), or
+    the step at which every rank agreed to stop and the running sums so far."""
+    model.train()
+    device = next(model.parameters()).device
+    metrics = Metrics(device)
+    if sums is not None:
+        metrics.sums += sums.to(device)  # the part of this epoch trained before a preemption
+    first_bad = torch.full((), -1, device=device)
+    bar = tqdm(total=steps_per_epoch, initial=start_step, desc=f"Epoch {epoch}", dynamic_ncols=True, disable=not show_bar)
+    last_time, last_count = time.time(), 0 if sums is None else sums[3].item()
+
+    def report(step):
+        nonlocal last_time, last_count
+        s = metrics.summary()
+        check_finite(s, first_bad, epoch)
+        now = time.time()
+        text = (f"loss {s['loss']:.4f} acc1 {s['acc1']:.2f} lr {optimizer.param_groups[0]['lr']:.4g} "
+                f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.0f} img/s")
+        last_time, last_count = now, s["count"]
+        if show_bar:
+            bar.set_postfix_str(text)
+        else:
+            log(f"Epoch {epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
+        return s
+
+    for step, (images, target) in enumerate(batches, start=start_step):
+        if preemption.agreed():
+            bar.close()
+            return {"preempted_at": step, "sums": reduce_tensor(metrics.sums).cpu()}
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            output = model(images)
+            loss = F.cross_entropy(output, target)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        metrics.update(loss.float() * target.numel(), output.float(), target)
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
+        bar.update()
+        if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
+            report(step + 1)
+    summary = report(steps_per_epoch)
+    bar.close()
+    return {"preempted_at": None, **summary}
+
+
+def check_finite(summary, first_bad, epoch):
+    if summary["nonfinite"]:
+        bad = torch.where(first_bad < 0, torch.iinfo(torch.int64).max, first_bad).reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MIN)
+        raise UserError(f"loss became NaN/inf at epoch {epoch} step {int(bad)}; stopped without saving it: "
+                        f"lower --lr, add --warmup-epochs, or check the data")
+
+
+def evaluate(model, batches, amp_dtype):
+    model.eval()
+    device = next(model.parameters()).device
+    metrics = Metrics(device)
+    with torch.inference_mode(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        for images, target in batches:
+            output = model(images).float()
+            metrics.update(F.cross_entropy(output, target, reduction="sum"), output, target)
+    return metrics.summary()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""distributed_slurm_main.py on a real Slurm 22.05 cluster that the tests start on this machine (two
+nodes emulated by two slurmd): srun in both ways, equality with torchrun + distributed.py, sbatch with
+a requeue after SIGUSR1, failures, and the script outside Slurm."""
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import BIN, RESUME, ROOT, Job, assert_same_run, load, metrics, ok, python
+
+SCRIPT = "distributed_slurm_main.py"
+BASE = os.environ.get("LOCAL_SLURM_BASE", "/tmp/pytorch-multigpu-slurm")
+PORT = os.environ.get("LOCAL_SLURM_PORT", "17817")
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A private two-node cluster from scripts/start_slurm.sh (which installs the Debian packages if they
+    are missing); stopped afterwards by scripts/stop_slurm.sh if this session started it."""
+    env = {**os.environ, "LOCAL_SLURM_BASE": BASE, "LOCAL_SLURM_PORT": PORT, "LOCAL_SLURM_NODES": "2",
+           "LOCAL_SLURM_REQUEUE_DELAY": "5"}
+    started = time.time()
+    stop = ["bash", ROOT / "scripts" / "stop_slurm.sh"]
+    try:
+        done = subprocess.run(["bash", ROOT / "scripts" / "start_slurm.sh"], env=env, capture_output=True, text=True,
+                              timeout=900)
+    except subprocess.TimeoutExpired as e:
+        subprocess.run(stop, env=env, timeout=120)
+        pytest.skip(f"scripts/start_slurm.sh timed out: {e.stderr}")
+    ours = re.search(r"(munged|slurmctld|slurmd \S+) started", done.stderr)  # leave a cluster we found running alone
+    if done.returncode:
+        if ours:
+            subprocess.run(stop, env=env, timeout=120)
+        pytest.skip(f"no Slurm cluster (scripts/start_slurm.sh needs root and apt-get):\n{done.stderr[-3000:]}")
+    print(f"\nSlurm cluster ready in {time.time() - started:.1f} s", file=sys.stderr)
+    yield {"SLURM_CONF": f"{BASE}/etc/slurm.conf", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    if ours:
+        subprocess.run(stop, env=env, timeout=120, check=True)
+
+
+def slurm_tasks():
+    """Training processes that Slurm started (srun tasks and what they spawned) and that are still alive."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "python" in " ".join(p.info["cmdline"] or []) and p.environ().get("SLURM_CONF", "").startswith(BASE):
+                if "SLURM_JOB_ID" in p.environ():
+                    found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_task_outlives_its_job():
+    yield
+    deadline = time.time() + 20
+    while slurm_tasks() and time.time() < deadline:
+        time.sleep(0.5)
+    left = slurm_tasks()
+    for p in left:
+        p.kill()
+    assert not left, f"Slurm tasks left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+def srun(env, srun_args, *args):
+    return Job(["srun", "--kill-on-bad-exit=1", *srun_args, sys.executable, ROOT / SCRIPT, *args], env=env)
+
+
+def slurm_command(slurm, *cmd, **kwargs):
+    return subprocess.run([str(c) for c in cmd], env={**os.environ, **slurm}, capture_output=True, text=True, **kwargs)
+
+
+def wait_for_job(slurm, job_id, log, timeout):
+    """Polls `scontrol show job` until the job has ended; returns its fields (JobState, Restarts, ...)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = slurm_command(slurm, "scontrol", "-o", "show", "job", job_id, check=True).stdout
+        fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+        if fields["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return fields
+        time.sleep(0.5)
+    slurm_command(slurm, "scancel", job_id)
+    pytest.fail(f"job {job_id} did not end in {timeout}s: {text}\n{log.read_text() if log.exists() else ''}")
+
+
+def test_hostlist_expansion_matches_scontrol(slurm):
+    spec = importlib.util.spec_from_file_location("slurm_main", ROOT / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for hostlist in ("127.0.0.[2-3]", "node[01-04,07]", "node[01-03,07],gpu1,login", "a[1-2]-ib[3-4]", "n[8-11]", "x"):
+        expected = slurm_command(slurm, "scontrol", "show", "hostnames", hostlist, check=True).stdout.split()
+        assert module.expand_hostlist(hostlist) == expected
+
+
+def test_one_task_per_process_on_two_nodes_equals_torchrun(slurm, image_data, tmp_path, uninterrupted):
+    """srun -N2 -n2: rank SLURM_PROCID on two nodes, rendezvous on the first; the same weights, bit for
+    bit, as distributed.py under torchrun with 2 processes."""
+    job = ok(srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path), timeout=400)
+    assert "distributed_slurm_main.py: world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
+    assert job.output.count("Epoch 2: train loss") == 1  # only rank 0 prints
+    assert_same_run(tmp_path, uninterrupted)
+    rows = metrics(tmp_path)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] and max(r["val_acc1"] for r in rows) > 40, rows  # chance: 25
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "tb"]
+
+
+def test_one_task_per_node_spawning_two_processes_equals_torchrun(slurm, image_data, tmp_path, uninterrupted):
+    """srun -N1 -n1 --procs-per-node 2: the task starts ranks 0 and 1 itself."""
+    job = ok(srun(slurm, ["-N1", "-n1"], image_data, *RESUME, "--epochs", "3", "--procs-per-node", "2",
+                  "--output-dir", tmp_path), timeout=400)
+    assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
+    assert_same_run(tmp_path, uninterrupted)
+
+
+def test_one_task_per_node_on_two_nodes_with_a_rendezvous_file(slurm, image_data, tmp_path):
+    """srun -N2 -n2 --procs-per-node 2: world = SLURM_NTASKS x 2 = 4 (not SLURM_NPROCS = 2, which hung)."""
+    out = tmp_path / "out"
+    job = ok(srun(slurm, ["-N2", "-n2"], image_data, "--crop-size", "32", "--val-resize", "36", "-j", "0", "-p", "1000",
+                  "-b", "16", "--lr", "0.01", "--epochs", "2", "--procs-per-node", "2",
+                  "--dist-file", tmp_path / "rendezvous", "--output-dir", out), timeout=400)
+    assert "world size 4, device cpu, backend gloo, global batch 16 = 4 x 4" in job.output
+    ckpt = load(out / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (2, 4, 4)
+    # 4 images per rank make BatchNorm's running statistics (rank 0's) poor for validation; training learns
+    assert [r["epoch"] for r in metrics(out)] == [0, 1] and metrics(out)[-1]["train_acc1"] > 50, metrics(out)
+    assert any(p.name.startswith("rendezvous.") for p in tmp_path.iterdir())
+
+
+def sbatch_example(name, tmp_path):
+    """The example from slurm/, without its GPU request (this cluster has none)."""
+    text = (ROOT / "slurm" / name).read_text()
+    assert "--signal=USR1@120" in text and "--requeue" in text and "--kill-on-bad-exit=1" in text
+    script = tmp_path / name
+    script.write_text("\n".join(line for line in text.splitlines() if not line.startswith("#SBATCH --gpus")) + "\n")
+    return script
+
+
+@pytest.mark.parametrize("example, resources, args", [
+    ("one_task_per_gpu.sbatch", ["-N1", "--ntasks-per-node=2"], []),
+    ("one_task_per_node.sbatch", ["-N2", "--ntasks-per-node=1"], ["--procs-per-node", "1"]),
+])
+def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
+        example, resources, args, slurm, image_data, tmp_path, uninterrupted):
+    out, log = tmp_path / "out", tmp_path / "job.log"
+    submitted = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", *resources, "--cpus-per-task=1",
+                              f"--chdir={ROOT}", f"--output={log}", sbatch_example(example, tmp_path), image_data,
+                              *RESUME, "--epochs", "3", *args, "--output-dir", out, check=True)
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.time() + 300
+    while "Epoch 0 [ 3/12]" not in (log.read_text() if log.exists() else ""):
+        assert time.time() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    slurm_command(slurm, "scancel", "--signal=USR1", job_id, check=True)  # what --signal=USR1@120 sends
+    done = wait_for_job(slurm, job_id, log, 300)
+    text = log.read_text()
+    assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1", text
+    stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", text)
+    assert stop and 3 <= int(stop[1]) < 12, text
+    assert f"requeued job {job_id}" in text and "(restart 1)" in text, text
+    assert f"(epoch 0, step {stop[1]})" in text, text  # the restart resumed from that step, without --resume
+    assert_same_run(out, uninterrupted)
+
+
+def test_scancel_checkpoints_but_does_not_requeue(slurm, image_data, tmp_path):
+    """scancel sends SIGTERM: the job saves its position and stays cancelled (a requeue would undo scancel)."""
+    log = tmp_path / "job.log"
+    job_id = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", "--requeue", "-N1", "-n2",
+                           f"--chdir={ROOT}", f"--output={log}", "--wrap",
+                           f"srun --kill-on-bad-exit=1 {sys.executable} {SCRIPT} {image_data} {' '.join(RESUME)} "
+                           f"--epochs 3 --output-dir {tmp_path}", check=True).stdout.strip().split(";")[0]
+    deadline = time.time() + 300
+    while "Epoch 0 [ 2/12]" not in (log.read_text() if log.exists() else ""):
+        assert time.time() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    slurm_command(slurm, "scancel", job_id, check=True)
+    done = wait_for_job(slurm, job_id, log, 120)
+    time.sleep(8)  # longer than the requeue delay: a requeued job would be back by now
+    done = wait_for_job(slurm, job_id, log, 10)
+    assert (done["JobState"], done["Restarts"]) == ("CANCELLED", "0"), log.read_text()
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert (ckpt["epoch"], ckpt["world_size"]) == (0, 2) and 2 <= ckpt["step"] < 12, log.read_text()
+
+
+@pytest.mark.parametrize("way", ["one task per process", "one task per node"])
+def test_a_failing_task_ends_the_whole_job(way, slurm, image_data, tmp_path):
+    extra = ["--procs-per-node", "1"] if way == "one task per node" else []
+    job = srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "--epochs", "50", *extra, "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    task = next(p for p in slurm_tasks() if p.environ().get("SLURM_PROCID") == "1" and SCRIPT in " ".join(p.cmdline()))
+    # the training process: the task itself, or with --procs-per-node the process the task spawned
+    victim = next(c for c in task.children() if "spawn_main" in " ".join(c.cmdline())) if extra else task
+    victim.send_signal(signal.SIGKILL)
+    started = time.time()
+    job.finish(timeout=90)
+    assert job.returncode != 0 and time.time() - started < 60, job.output
+
+
+def test_a_wrong_rendezvous_file_location_is_one_clear_error(slurm, image_data, tmp_path):
+    job = srun(slurm, ["-N1", "-n2"], image_data, *RESUME, "--dist-file", tmp_path / "nowhere" / "rdzv").finish(120)
+    errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
+    assert job.returncode != 0 and len(errors) == 1, job.output
+    assert re.search(r"--dist-file .*nowhere/rdzv: folder .*nowhere not found; give a path in a folder that every "
+                     r"node shares", errors[0]), job.output
+
+
+def test_python_in_the_batch_script_without_srun_is_one_clear_error(slurm, image_data, tmp_path):
+    log = tmp_path / "job.log"
+    slurm_command(slurm, "sbatch", "--wait", "-n2", f"--output={log}", f"--chdir={ROOT}", "--wrap",
+                  f"{sys.executable} {SCRIPT} {image_data} --epochs 1", timeout=120)
+    assert log.read_text().startswith("error: this is the batch script of a job of 2 tasks, not one of the tasks: "
+                                      "start the training with srun"), log.read_text()
+
+
+def test_outside_slurm_one_process_runs(image_data, tmp_path):
+    job = ok(python(SCRIPT, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))
+    assert "world size 1, device cpu, backend none, global batch 16 = 1 x 16" in job.output
+    assert load(tmp_path / "checkpoint.pth.tar")["epoch"] == 1
+
+
+def test_half_set_slurm_variables_are_one_clear_error(image_data, tmp_path):
+    job = python(SCRIPT, image_data, "--epochs", "1", env={"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}).finish(60)
+    assert job.returncode == 2 and job.output.startswith(
+        "error: SLURM_PROCID, SLURM_NTASKS set but not SLURM_STEP_ID, SLURM_JOB_ID, SLURM_LOCALID, SLURM_NODEID: start "
+        "the script with srun, or unset the SLURM_* variables to run one process"), job.output
