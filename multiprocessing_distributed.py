@@ -723,7 +723,7 @@ def main_worker(local_rank, args):
                 write_epoch(row, writer, args.output_dir)
             log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
                 f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | {row['img_per_s']:.0f} img/s")
-            if preemption.agreed_now():
+            if preemption.agreed_now() and epoch + 1 < args.epochs:  # all ranks take part
                 log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; continue with --resume auto")
                 return
     finally:

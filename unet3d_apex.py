@@ -753,7 +753,7 @@ def main_worker(args):
             log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
                 f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
                 f"{row['img_per_s']:.1f} img/s")
-            if preemption.agreed_now():
+            if preemption.agreed_now() and epoch + 1 < args.epochs:  # all ranks take part
                 log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; continue with --resume auto")
                 break
     finally:
