@@ -86,9 +86,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="same seed, same data and world-size-independent results")
     p.add_argument("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
     p.add_argument("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
+    p.add_argument("--benchmark", type=int, default=0, metavar="N",
+                   help="train N steps on synthetic batches already on the device (no data loading), print img/s, exit")
     p.add_argument("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for a peer")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,10 +191,16 @@ class SyntheticImages(Dataset):
 
 
 def load_image(path):
+    """The image as an RGB uint8 CxHxW tensor. JPEGs go through libjpeg-turbo (torchvision.io); what it
+    cannot take (PNG, a PNG named .JPEG, CMYK, a file cut short: no end marker) goes through PIL."""
     try:
+        data = torchvision.io.read_file(path)
+        if data[:2].tolist() == [0xFF, 0xD8] and data[-2:].tolist() == [0xFF, 0xD9]:
+            with contextlib.suppress(RuntimeError):
+                return torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB)
         with Image.open(path) as img:
-            return img.convert("RGB")
-    except (OSError, SyntaxError, ValueError) as e:
+            return v2.functional.pil_to_tensor(img.convert("RGB"))
+    except (OSError, SyntaxError, ValueError, RuntimeError) as e:
         raise DataError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
@@ -684,6 +694,18 @@ def main_worker(args):
                     f"random states start afresh (results match, but not bit for bit)")
         log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
     ddp_model = wrap_model(model, device)
+
+    if args.benchmark:  # the model, the step and the all-reduce without the input pipeline: this hardware's speed
+        memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+        batch = (torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device).contiguous(memory_format=memory_format),
+                 torch.randint(num_classes, (local_batch,), device=device))
+        for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
+            started = time.time()
+            train = train_one_epoch(ddp_model, [batch] * steps, optimizer, scheduler, scaler, amp_dtype, master_weights, preemption, 0, 0,
+                                    steps, None, args, log, False)
+        log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} processes, "
+            f"global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}")
+        return
 
     if args.evaluate:
         val = evaluate(model, val_batches, amp_dtype)

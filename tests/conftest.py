@@ -1,6 +1,7 @@
 """Test harness: launches the scripts the way users do (torchrun, python) on CPU with gloo, on tiny
 generated data, and checks that no process outlives its job."""
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -151,6 +152,14 @@ def ok(job, timeout=300):
     job.finish(timeout)
     assert job.returncode == 0, job.output
     return job
+
+
+def import_script(script):
+    """A top-level script as a module (its main() does not run), to test its parts directly."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load(path):

@@ -1,7 +1,6 @@
 """apex_distributed.py under torchrun on CPU, bfloat16 standing in for float16: apex's opt levels O0-O3,
 O2's fp32 master weights and their bit-exact resume, normalization done once, and apex being absent."""
 import functools
-import importlib.util
 import math
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 import torchvision
 from torch.utils.data import DataLoader
 
-from conftest import FAST, ROOT, load, ok, torchrun
+from conftest import FAST, import_script, load, ok, torchrun
 from test_distributed import CHECKPOINT_KEYS, assert_same_tensors, metrics
 
 SCRIPT = "apex_distributed.py"
@@ -100,10 +99,7 @@ def test_o3_trains_in_pure_half_with_loader_workers_and_channels_last(image_data
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("apex_distributed", ROOT / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(SCRIPT)
 
 
 def test_the_prefetcher_normalizes_once(script):

@@ -1,7 +1,6 @@
 """distributed_slurm_main.py on a real Slurm 22.05 cluster that the tests start on this machine (two
 nodes emulated by two slurmd): srun in both ways, equality with torchrun + distributed.py, sbatch with
 a requeue after SIGUSR1, failures, and the script outside Slurm."""
-import importlib.util
 import os
 import re
 import signal
@@ -12,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, RESUME, ROOT, Job, assert_same_run, load, metrics, ok, python
+from conftest import BIN, RESUME, ROOT, Job, assert_same_run, import_script, load, metrics, ok, python
 
 SCRIPT = "distributed_slurm_main.py"
 BASE = os.environ.get("LOCAL_SLURM_BASE", "/tmp/pytorch-multigpu-slurm")
@@ -91,9 +90,7 @@ def wait_for_job(slurm, job_id, log, timeout):
 
 
 def test_hostlist_expansion_matches_scontrol(slurm):
-    spec = importlib.util.spec_from_file_location("slurm_main", ROOT / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_script(SCRIPT)
     for hostlist in ("127.0.0.[2-3]", "node[01-04,07]", "node[01-03,07],gpu1,login", "a[1-2]-ib[3-4]", "n[8-11]", "x"):
         expected = slurm_command(slurm, "scontrol", "show", "hostnames", hostlist, check=True).stdout.split()
         assert module.expand_hostlist(hostlist) == expected

@@ -1,7 +1,6 @@
 """unet3d_apex.py launched by torchrun (and plain python) on CPU with tiny volumes: learning, exact
 whole-volume evaluation, a run from .npy files with resume and preemption, and bad input."""
 import importlib.util
-import json
 import re
 import shutil
 import signal
@@ -11,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT, load, ok, python, torchrun
+from conftest import import_script, load, metrics, ok, python, torchrun
 from test_bad_input import broken_copy
 
 SCRIPT = "unet3d_apex.py"
@@ -25,17 +24,6 @@ CHECKPOINT_KEYS = {"epoch", "step", "arch", "model", "state_dict", "optimizer", 
 # the first training volume is smaller than a 16³ patch along D: its patches are padded, not refused
 TRAIN_SHAPES = [(12, 20, 20), (16, 20, 24), (18, 24, 20), (20, 16, 18), (16, 18, 16), (20, 20, 20)]
 VAL_SHAPES = [(18, 20, 22), (16, 24, 16), (20, 18, 20)]
-
-
-def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def script_module():
-    spec = importlib.util.spec_from_file_location("unet3d_apex", ROOT / SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def ellipsoids(shape, gen):
@@ -96,7 +84,7 @@ def test_checkpoint_is_complete_and_loads_into_a_plain_model(trained):
     assert set(ckpt) == CHECKPOINT_KEYS
     assert (ckpt["epoch"], ckpt["step"], ckpt["arch"], ckpt["world_size"]) == (4, 0, "unet3d", 2)
     assert ckpt["model"] == {"in_channels": 1, "base_channels": 8, "depth": 3, "norm": "batch"}
-    model = script_module().UNet3D(**ckpt["model"])
+    model = import_script(SCRIPT).UNet3D(**ckpt["model"])
     model.load_state_dict(ckpt["state_dict"])  # strict: no "module." prefix, nothing missing
     best = load(out / "model_best.pth.tar")
     assert best["best_dice"] == max(r["val_dice"] for r in metrics(out))

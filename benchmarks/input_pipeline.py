@@ -1,0 +1,115 @@
+"""Input pipeline throughput on one core, three pipelines side by side on the same JPEGs.
+
+    python benchmarks/input_pipeline.py                  # generates ImageNet-sized test JPEGs
+    python benchmarks/input_pipeline.py /data/imagenet/train --limit 500   # or real photos
+
+(a) pytorch/examples: PIL decode, RandomResizedCrop, flip, ToTensor, Normalize (float out of the worker)
+(b) this repository: distributed.py's load_image (libjpeg-turbo via torchvision.io) and train transform
+    (uint8 out; normalization happens once, on the device)
+(c) decode only, through torchvision.io.decode_jpeg
+Prints img/s for each and the ratios b/a (target >= 1.8) and b/c (target >= 0.7).
+"""
+import argparse
+import importlib.util
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torchvision
+from PIL import Image
+from torchvision import transforms
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = [(500, 375), (375, 500), (500, 333), (333, 500), (500, 400), (400, 300), (640, 480), (300, 225)]
+
+
+def reference_script():
+    spec = importlib.util.spec_from_file_location("distributed", ROOT / "distributed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_jpegs(folder, count, seed=0):
+    """Photo-like JPEGs at ImageNet's common sizes (mean about 110 kB at quality 90): smooth shapes,
+    edges and sensor noise, so that the decoder does the work a real photo asks of it."""
+    gen = torch.Generator().manual_seed(seed)
+    paths = []
+    for i in range(count):
+        w, h = SIZES[i % len(SIZES)]
+        y, x = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
+        freq = torch.rand(3, 2, generator=gen) * 0.2 + 0.02
+        img = torch.stack([torch.sin(x * fx + c) * 70 + torch.cos(y * fy) * 50 + 128 for c, (fx, fy) in enumerate(freq)])
+        img += (x > w * torch.rand(1, generator=gen)).float() * 40  # an edge
+        img += torch.randn(3, h, w, generator=gen) * 10
+        path = Path(folder) / f"{i:05d}.JPEG"
+        Image.fromarray(img.clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()).save(path, quality=90)
+        paths.append(path)
+    return paths
+
+
+def examples_pipeline():
+    tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+                             transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+
+    def run(path):
+        with open(path, "rb") as f:
+            return tf(Image.open(f).convert("RGB"))
+    return run
+
+
+def repository_pipeline(script):
+    args = argparse.Namespace(crop_size=224, val_resize=256, dummy=True, dummy_size=1)
+    train_tf = script.build_datasets(args)[0].transform
+    return lambda path: train_tf(script.load_image(path))
+
+
+def decode_only(path):
+    return torchvision.io.decode_jpeg(torchvision.io.read_file(str(path)), mode=torchvision.io.ImageReadMode.RGB)
+
+
+def images_per_second(fn, paths, seconds):
+    """Best of several timed passes over the files (the least disturbed by anything else running)."""
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for path in paths:
+            fn(path)
+        best = max(best, len(paths) / (time.perf_counter() - start))
+    return best
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("folder", nargs="?", help="JPEGs to read (searched recursively); default: generated ones")
+    p.add_argument("--limit", type=int, default=200, help="at most this many files")
+    p.add_argument("--seconds", type=float, default=6, help="time per pipeline and round")
+    p.add_argument("--rounds", type=int, default=2, help="the pipelines take turns this many times")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    random.seed(0)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.folder:
+            paths = sorted(p for p in Path(args.folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))[:args.limit]
+        else:
+            paths = make_jpegs(tmp, args.limit)
+        kb = sum(p.stat().st_size for p in paths) / len(paths) / 1000
+        print(f"{len(paths)} JPEGs, mean {kb:.0f} kB, one core (torch threads 1)")
+        pipelines = {"a pytorch/examples": examples_pipeline(), "b this repository": repository_pipeline(reference_script()),
+                     "c decode only": decode_only}
+        best = dict.fromkeys(pipelines, 0.0)
+        for _ in range(args.rounds):  # alternate, so that a slow moment of the machine hits all three
+            for name, fn in pipelines.items():
+                best[name] = max(best[name], images_per_second(fn, paths, args.seconds / args.rounds))
+        for name, rate in best.items():
+            print(f"{name:20s} {rate:7.0f} img/s")
+        a, b, c = best.values()
+        print(f"b / a = {b / a:.2f} (target >= 1.8)   b / c = {b / c:.2f} (target >= 0.7)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
