@@ -126,3 +126,9 @@ def test_ctrl_c_stops_every_process(image_data, tmp_path):
     os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
     job.finish(timeout=60)  # fails if any process (worker, DataLoader worker) is left behind
     assert job.returncode != 0
+
+
+def test_benchmark_mode_trains_on_synthetic_device_batches_and_prints_img_per_s(tmp_path):
+    job = ok(torchrun(SCRIPT, 2, "--benchmark", "4", "--crop-size", "32", "-b", "16", "--output-dir", tmp_path))
+    assert re.search(r"^benchmark: \d+ img/s over 4 steps, 2 processes, global batch 16, resnet18 at 32 px", job.output, re.M)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
