@@ -75,8 +75,8 @@ def data_vs_model_parallel():
         svg.text(x + 40, 158, f"layer {k + 1}", size=11)
         if k:
             svg.line(x - 30, 154, x + 8, 154, arrow=True)
-    svg.text(480, 52, "whole batch", size=11, colour=GREY)
-    svg.line(480, 58, 480, 138, arrow=True)
+    svg.text(412, 132, "whole batch", size=11, colour=GREY)
+    svg.line(392, 154, 448, 154, arrow=True)
     svg.text(570, 220, "activations go forward, their gradients back;", size=12)
     svg.text(570, 238, "for models too big for one GPU (not shown in this repository)", size=12)
     return svg
@@ -85,7 +85,7 @@ def data_vs_model_parallel():
 def dataparallel_vs_ddp():
     svg = Svg(780, 330)
     svg.text(185, 24, "nn.DataParallel (dataparallel.py)", weight="bold")
-    svg.rect(20, 40, 330, 250, dash="5,3", stroke=GREY)
+    svg.rect(20, 40, 330, 262, dash="5,3", stroke=GREY)
     svg.text(185, 58, "one process, one Python interpreter (GIL)", size=11, colour=GREY)
     steps = ["1. scatter the batch, copy the model to every GPU", "2. forward in one thread per GPU",
              "3. gather outputs on GPU 0, loss on GPU 0", "4. backward: gradients summed onto GPU 0",
@@ -96,18 +96,19 @@ def dataparallel_vs_ddp():
         gpu(svg, 36 + k * 78, 200, k)
     for k in range(1, 4):
         svg.path(f"M {71 + k * 78} 232 C {71 + k * 78} 262, 71 262, 71 234", colour=GPU_COLOURS[k], arrow=True)
-    svg.text(185, 282, "GPU 0 carries the outputs, loss and gradients: more memory, more work", size=11)
+    svg.text(185, 276, "GPU 0 holds the outputs, the loss and the summed", size=11)
+    svg.text(185, 290, "gradients: more memory and more work than the others", size=11)
     svg.text(585, 24, "DistributedDataParallel (distributed.py)", weight="bold")
     for k in range(4):
-        x, y = 420 + (k % 2) * 190, 44 + (k // 2) * 130
-        svg.rect(x, y, 150, 90, dash="5,3", stroke=GREY)
-        svg.text(x + 75, y + 16, f"process {k} (rank {k})", size=11, colour=GREY)
-        gpu(svg, x + 40, y + 24, k)
-        svg.text(x + 75, y + 74, "own forward, backward, step", size=10)
+        x, y = 410 + (k % 2) * 200, 44 + (k // 2) * 130
+        svg.rect(x, y, 160, 90, dash="5,3", stroke=GREY)
+        svg.text(x + 80, y + 16, f"process {k} (rank {k})", size=11, colour=GREY)
+        gpu(svg, x + 45, y + 24, k)
+        svg.text(x + 80, y + 74, "own forward, backward, step", size=10)
     svg.line(570, 89, 608, 89, arrow=True, colour=GPU_COLOURS[0])       # 0 -> 1
-    svg.line(685, 134, 685, 172, arrow=True, colour=GPU_COLOURS[1])     # 1 -> 3
+    svg.line(690, 134, 690, 172, arrow=True, colour=GPU_COLOURS[1])     # 1 -> 3
     svg.line(608, 219, 570, 219, arrow=True, colour=GPU_COLOURS[3])     # 3 -> 2
-    svg.line(495, 172, 495, 134, arrow=True, colour=GPU_COLOURS[2])     # 2 -> 0
+    svg.line(490, 172, 490, 134, arrow=True, colour=GPU_COLOURS[2])     # 2 -> 0
     svg.text(590, 155, "ring", size=11, colour=GREY)
     svg.text(590, 282, "gradient buckets are all-reduced while backward still runs;", size=11)
     svg.text(590, 298, "every rank then takes the same step, so the replicas stay equal", size=11)
@@ -118,7 +119,7 @@ def ring_states(n=4):
     """Simulates ring all-reduce of a gradient cut into n chunks. Returns the states (label, holds)
     after every step, holds[gpu][chunk] = the set of GPUs whose contribution that copy contains."""
     holds = [[{g} for _ in range(n)] for g in range(n)]
-    states = [("start: each GPU its own gradient, cut into 4 chunks", [[set(c) for c in row] for row in holds])]
+    states = [("start", [[set(c) for c in row] for row in holds])]
     for step in range(n - 1):  # reduce-scatter: GPU g sends chunk (g - step) to g+1, which adds it to its own
         sent = [(g, (g - step) % n, set(holds[g][(g - step) % n])) for g in range(n)]
         for g, c, contents in sent:
@@ -136,12 +137,13 @@ def ring_states(n=4):
 def ring_allreduce():
     n, cell = 4, 34
     states = ring_states(n)
-    svg = Svg(4 * 190 + 20, 2 * 215 + 90)
-    svg.text(390, 22, "Ring all-reduce on 4 GPUs: rows are GPUs, columns the 4 chunks of the gradient; "
-                      "a cell lists whose gradients it has summed", size=12, weight="bold")
+    svg = Svg(4 * 190 + 20, 2 * 215 + 100)
+    svg.text(390, 20, "Ring all-reduce on 4 GPUs", size=13, weight="bold")
+    svg.text(390, 38, "rows: GPUs 0-3; columns: the 4 chunks of each GPU's gradient; "
+                      "a cell lists the GPUs whose gradients it has summed", size=11)
     for i, (label, holds) in enumerate(states[:4] + states[4:]):
         col, row = i % 4, i // 4
-        x0, y0 = 20 + col * 190 + 28, 50 + row * 215
+        x0, y0 = 20 + col * 190 + 28, 64 + row * 215
         svg.text(x0 + 2 * cell, y0, label, size=11, weight="bold" if i else "normal")
         for g in range(n):
             svg.text(x0 - 6, y0 + 14 + g * cell + cell / 2, str(g), size=10, anchor="end", colour=GPU_COLOURS[g])
@@ -153,9 +155,9 @@ def ring_allreduce():
                 svg.text(x + cell / 2 - 1, y + cell / 2 + 3, "".join(map(str, sorted(holds[g][c]))), size=10)
         if i == 7:
             svg.text(x0 + 2 * cell, y0 + 14 + n * cell + 18, "done: every GPU holds the sum", size=10, colour=GREY)
-    svg.text(390, 2 * 215 + 56, "Each step every GPU sends one chunk (1/4 of the gradient) to its neighbour and "
+    svg.text(390, 2 * 215 + 66, "Each step every GPU sends one chunk (1/4 of the gradient) to its neighbour and "
                                 "receives one: 3 + 3 steps,", size=12)
-    svg.text(390, 2 * 215 + 74, "2(N-1)/N of the gradient size per GPU in all, whatever the number of GPUs N",
+    svg.text(390, 2 * 215 + 84, "2(N-1)/N of the gradient size per GPU in all, whatever the number of GPUs N",
              size=12)
     return svg
 
