@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from input_pipeline import reference_script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def small_model(classes):
@@ -43,8 +42,7 @@ def main():
         torchrun = Path(sys.executable).with_name("torchrun")
         os.environ["OMP_NUM_THREADS"] = "1"
         os.execv(torchrun, [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, *sys.argv[1:]])
-    from conftest import import_script  # the repository's Metrics, exactly as the scripts carry it
-    script = import_script("distributed.py")
+    script = reference_script()  # the repository's Metrics, exactly as the scripts carry it
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())
     model = torch.nn.parallel.DistributedDataParallel(small_model(100))
