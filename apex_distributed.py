@@ -33,6 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch._dynamo  # noqa: F401 (before any process group: see end_process_group)
 import torch.nn.functional as F
 import torchvision
 from PIL import Image
@@ -628,6 +629,18 @@ class Preemption:
         return self.flag.item() > 0
 
 
+def end_process_group():
+    """Frees the process group while Python is whole, which joins gloo's worker threads. Left to interpreter
+    shutdown, a worker still releasing a finished collective's tensors needs the GIL and aborts the process
+    ("terminate called without an active exception"). The group is freed only when nothing else holds it:
+    so the preemption handlers, which hold it, go first, and torch._dynamo is imported at the top (torch 2.14
+    keeps references to a group that exists when it is first imported, as DDP does)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
     args = parse_args()
@@ -639,8 +652,7 @@ def main():
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def main_worker(args):

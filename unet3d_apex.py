@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch._dynamo  # noqa: F401 (before any process group: see end_process_group)
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
@@ -575,13 +576,6 @@ def gather_rng_states():
     return states
 
 
-def leave_together():
-    """A last barrier: a gloo rank that still works after its peer has exited can abort while it shuts down
-    ("terminate called without an active exception"), seen when evaluation work was uneven across ranks."""
-    if dist.is_initialized():
-        dist.barrier()
-
-
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking
     all-reduce on a CPU group, so checking it every step costs no barrier and no GPU sync."""
@@ -619,6 +613,18 @@ class Preemption:
         return self.flag.item() > 0
 
 
+def end_process_group():
+    """Frees the process group while Python is whole, which joins gloo's worker threads. Left to interpreter
+    shutdown, a worker still releasing a finished collective's tensors needs the GIL and aborts the process
+    ("terminate called without an active exception"). The group is freed only when nothing else holds it:
+    so the preemption handlers, which hold it, go first, and torch._dynamo is imported at the top (torch 2.14
+    keeps references to a group that exists when it is first imported, as DDP does)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
     args = parse_args()
@@ -630,8 +636,7 @@ def main():
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def main_worker(args):
@@ -706,7 +711,6 @@ def main_worker(args):
         log(f"val: loss {val['loss']:.6f} dice {val['dice']:.6f} iou {val['iou']:.6f} dice_per_volume "
             f"{val['dice_per_volume']:.6f} (intersection {val['intersection']}, predicted {val['predicted']}, "
             f"true {val['true']}, union {val['union']}, volumes {val['volumes']})")
-        leave_together()
         return
 
     def checkpoint(epoch, step, sums, is_best):
@@ -759,7 +763,6 @@ def main_worker(args):
     finally:
         if writer:
             writer.close()
-    leave_together()
 
 
 def train_one_epoch(model, batches, optimizer, scaler, amp_dtype, preemption, epoch, start_step,

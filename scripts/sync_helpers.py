@@ -16,6 +16,8 @@ SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "DataError", "set_seed",
           "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropUint8", "build_datasets", "TrainSampler",
           "SeededSamples", "ShardSampler", "Prefetcher", "build_model", "param_groups", "lr_factor", "atomic_write",
           "save_checkpoint", "resume_path", "load_checkpoint", "check_and_load", "write_epoch"]
+# helpers every script that starts a torch.distributed process group carries as well
+PROCESS_GROUP = ["end_process_group"]
 # helpers a launcher has to do its own way: Horovod sums with hvd.allreduce, not torch.distributed
 OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}}
 # a script for another task than ImageNet carries the task-independent helpers, and the launcher part of
@@ -23,7 +25,7 @@ OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}}
 OTHER_TASKS = {"unet3d_apex.py": ["UserError", "DataError", "set_seed", "rng_state", "set_rng_state", "reduce_tensor",
                                   "TrainSampler", "SeededSamples", "ShardSampler", "atomic_write", "save_checkpoint",
                                   "resume_path", "write_epoch", "find_processes", "start_process_group", "wrap_model",
-                                  "sync_buffers", "gather_rng_states", "Preemption", "main"]}
+                                  "sync_buffers", "gather_rng_states", "Preemption", "end_process_group", "main"]}
 
 
 def definitions(source):
@@ -51,7 +53,8 @@ def differences(script):
     ref_source, source = (ROOT / REFERENCE).read_text(), (ROOT / script).read_text()
     ref, own = definitions(ref_source), definitions(source)
     out = []
-    for name in OTHER_TASKS.get(script, SHARED):
+    shared = SHARED + (PROCESS_GROUP if "dist.init_process_group(" in source else [])
+    for name in OTHER_TASKS.get(script, shared):
         if name in OWN_WAY.get(script, ()):
             continue
         text = ref_source[slice(*ref[name])]
