@@ -672,6 +672,8 @@ def main_worker(args, local_index=None):
     log(f"{os.path.basename(__file__)}: world size {world_size}, device {device.type}, backend "
         f"{dist.get_backend() if group else 'none'}, global batch {args.batch_size} = {world_size} x {local_batch}, "
         f"{args.arch}, {num_classes} classes, {len(train_set)} train / {len(val_set)} val images")
+    if group:
+        log(f"rendezvous: {rendezvous(args)}")
 
     if args.sync_bn and device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -127,7 +127,9 @@ def test_one_task_per_node_on_two_nodes_with_a_rendezvous_file(slurm, image_data
     assert (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (2, 4, 4)
     # 4 images per rank make BatchNorm's running statistics (rank 0's) poor for validation; training learns
     assert [r["epoch"] for r in metrics(out)] == [0, 1] and metrics(out)[-1]["train_acc1"] > 50, metrics(out)
-    assert any(p.name.startswith("rendezvous.") for p in tmp_path.iterdir())
+    # the file of this job step, which the store deletes once every process has let go of the group
+    assert f"rendezvous: file://{tmp_path}/rendezvous." in job.output
+    assert not any(p.name.startswith("rendezvous.") for p in tmp_path.iterdir())
 
 
 def sbatch_example(name, tmp_path):
