@@ -189,36 +189,22 @@ def load_image(path):
         raise DataError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
-class RandomResizedCropFlip(v2.RandomResizedCrop):
-    """v2.RandomResizedCrop then v2.RandomHorizontalFlip, the same random draws in the same order and the
-    same antialiased bilinear resampling, in one step. A uint8 image is resized in channels-last order,
-    the memory order decode_jpeg leaves it in and the one torch resizes fastest (about 1.6x faster than
-    v2's own kernel, which copies to channels-first first); the crop has to be copied for that anyway,
-    and a flipped one is copied mirrored, so the flip costs nothing. Resampling is mirror-symmetric:
-    the result is that of cropping, resizing and flipping."""
-
-    def __init__(self, size, flip_p=0.5):
-        super().__init__(size, antialias=True)
-        self.flip_p = flip_p
-
-    def make_params(self, flat_inputs):
-        return {**super().make_params(flat_inputs), "flip": bool(torch.rand(1) < self.flip_p)}
+class RandomResizedCropUint8(v2.RandomResizedCrop):
+    """v2.RandomResizedCrop (same crop geometry, same antialiased bilinear resampling) that resizes a
+    uint8 image in channels-last order, the memory order decode_jpeg leaves it in and the one torch
+    resizes fastest: about 1.6x faster than v2's own kernel, which copies to channels-first first."""
 
     def transform(self, inpt, params):
-        params = dict(params)
-        flip = params.pop("flip")
         if not (isinstance(inpt, torch.Tensor) and inpt.dtype == torch.uint8 and inpt.ndim == 3):
-            out = super().transform(inpt, params)
-            return v2.functional.horizontal_flip(out) if flip else out
+            return super().transform(inpt, params)
         top, left, height, width = params["top"], params["left"], params["height"], params["width"]
-        crop = inpt[:, top:top + height, left:left + width].unsqueeze(0)
-        crop = (crop.flip(-1) if flip else crop).contiguous(memory_format=torch.channels_last)
+        crop = inpt[:, top:top + height, left:left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
         return F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def build_datasets(args):
     """Workers decode and crop; they hand uint8 CxHxW tensors on, normalization happens on the device."""
-    train_tf = RandomResizedCropFlip(args.crop_size)
+    train_tf = v2.Compose([RandomResizedCropUint8(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
     val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
     if args.dummy:
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),

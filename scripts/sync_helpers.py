@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "distributed.py"
 SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "DataError", "set_seed", "rng_state", "set_rng_state",
-          "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropFlip", "build_datasets", "TrainSampler",
+          "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropUint8", "build_datasets", "TrainSampler",
           "SeededSamples", "ShardSampler", "Prefetcher", "build_model", "param_groups", "lr_factor", "atomic_write",
           "save_checkpoint", "resume_path", "load_checkpoint", "check_and_load", "write_epoch"]
 # helpers every script that starts a torch.distributed process group carries as well

@@ -60,21 +60,14 @@ def test_the_same_seed_gives_the_same_crop_and_label_as_the_pil_path(script, ima
         assert (image.int() - pil_to_tensor(pil_image).int()).abs().float().mean() < 3  # resampling differs in rounding
 
 
-def test_the_train_transform_is_v2s_crop_then_flip(script):
-    """RandomResizedCropFlip (crop, resize and flip in one step, in channels-last order) against
-    torchvision's v2.RandomResizedCrop then v2.RandomHorizontalFlip, on the same seeds: the same pixels."""
+def test_the_train_transform_resizes_like_v2(script):
+    """RandomResizedCropUint8's fast kernel against torchvision's own, on the same crop."""
     image = torch.from_numpy(photo(120, 160)).permute(2, 0, 1)  # channels-last memory, as decode_jpeg returns it
-    fast = script.RandomResizedCropFlip(32)
-    v2 = torchvision.transforms.v2
-    reference = v2.Compose([v2.RandomResizedCrop(32, antialias=True), v2.RandomHorizontalFlip()])
-    flipped = set()
-    for seed in range(8):
+    fast = script.RandomResizedCropUint8(32, antialias=True)
+    reference = torchvision.transforms.v2.RandomResizedCrop(32, antialias=True)
+    for seed in range(5):
         torch.manual_seed(seed)
-        flipped.add(fast.make_params([image])["flip"])
-        for inpt in (image, image.contiguous()):  # decode_jpeg's memory order, and PIL's
-            torch.manual_seed(seed)
-            ours = fast(inpt)
-            torch.manual_seed(seed)
-            theirs = reference(image.contiguous())
-            assert ours.shape == theirs.shape == (3, 32, 32) and (ours.int() - theirs.int()).abs().max() <= 1
-    assert flipped == {True, False}
+        ours = fast(image)
+        torch.manual_seed(seed)
+        theirs = reference(image.contiguous())
+        assert (ours.int() - theirs.int()).abs().max() <= 1
