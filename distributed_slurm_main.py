@@ -612,10 +612,14 @@ def start_node_processes(args):
     try:
         while not context.join(grace_period=5):
             pass
-    except mp.ProcessExitedException as e:
-        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
-    except mp.ProcessRaisedException:
-        sys.exit(1)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        # a UserError, already reported by its process; whichever failure join() saw first, the others'
+        # (a peer's "connection closed") follow from it
+        if any(p.exitcode == 2 for p in context.processes):
+            sys.exit(2)
+        if isinstance(e, mp.ProcessRaisedException):
+            print(f"error: process {e.error_index} of this task failed:{e.msg.split(':', 1)[-1]}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code if isinstance(e, mp.ProcessExitedException) and e.exit_code > 0 else 1)
 
 
 def end_process_group():

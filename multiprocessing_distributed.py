@@ -633,13 +633,15 @@ def supervise(workers):
             if p.is_alive():
                 p.kill()
         return 130
-    except mp.ProcessExitedException as e:
-        if e.exit_code == 2:  # a UserError, already reported by the worker
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        # a UserError, already reported by its worker; whichever failure join() saw first, the others'
+        # (a peer's "connection closed") follow from it
+        if any(p.exitcode == 2 for p in workers.processes):
             return 2
-        print(f"error: worker {e.error_index} on this node {e.msg.split(' ', 2)[-1]}", file=sys.stderr, flush=True)
-        return 1
-    except mp.ProcessRaisedException as e:
-        print(f"error: worker {e.error_index} on this node failed:{e.msg.split(':', 1)[-1]}", file=sys.stderr, flush=True)
+        if isinstance(e, mp.ProcessExitedException):
+            print(f"error: worker {e.error_index} on this node {e.msg.split(' ', 2)[-1]}", file=sys.stderr, flush=True)
+        else:
+            print(f"error: worker {e.error_index} on this node failed:{e.msg.split(':', 1)[-1]}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -59,18 +59,21 @@ CASES = {
 }
 
 
-SPAWN, DATAPARALLEL = "multiprocessing_distributed.py", "dataparallel.py"
+SPAWN, DATAPARALLEL, SLURM = "multiprocessing_distributed.py", "dataparallel.py", "distributed_slurm_main.py"
 # The siblings run the same checks (byte-identical helpers): here each gets one case per way an error
 # surfaces - found by the parent or by one process, by every rank alike, by the rank that reads a file,
 # or mid-training.
 SIBLINGS = {SPAWN: ["missing data folder", "batch not divisible by world size", "corrupt JPEG on one of two ranks",
                     "resume checkpoint of another arch", "loss becomes NaN"],
-            DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint truncated", "fp16 without CUDA"]}
+            DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint truncated", "fp16 without CUDA"],
+            SLURM: ["corrupt JPEG on one of two ranks"]}
 
 
 def launch(script, processes, *args, env=None):
     if script == SPAWN:
         return spawn(script, processes, *args, env=env)
+    if script == SLURM and processes > 1:  # outside Slurm, one task that starts its processes itself
+        return python(script, "--procs-per-node", processes, *args, env=env)
     return python(script, *args, env=env) if processes == 1 else torchrun(script, processes, *args, env=env)
 
 
