@@ -43,7 +43,7 @@ import torchvision
 from PIL import Image
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 from torch.utils.tensorboard import SummaryWriter
 from torchvision.transforms import v2
 from tqdm import tqdm
@@ -200,22 +200,60 @@ def load_image(path):
         raise DataError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
-class RandomResizedCropUint8(v2.RandomResizedCrop):
-    """v2.RandomResizedCrop (same crop geometry, same antialiased bilinear resampling) that resizes a
-    uint8 image in channels-last order, the memory order decode_jpeg leaves it in and the one torch
-    resizes fastest: about 1.6x faster than v2's own kernel, which copies to channels-first first."""
+class RandomResizedCropFlip:
+    """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step. The same draws in
+    distribution: a crop of a uniform share `scale` of the image's area with a log-uniform aspect
+    ratio in `ratio`, up to 10 tries, else v2's central fallback crop; a flip with probability 1/2.
+    They come from torch's RNG in one call instead of five or more. A uint8 tensor (load_image's
+    output) is cut into channels-last memory order, the order decode_jpeg leaves and the one torch
+    resizes fastest, then resized by the kernel v2 uses (bilinear, antialiased); a PIL image goes
+    through v2.functional. Not an nn.Module or v2.Compose: in a worker, right after a decode has
+    flushed the CPU caches, their Python machinery and separate RNG calls cost almost as much as the
+    resize itself (benchmarks/input_pipeline.py)."""
 
-    def transform(self, inpt, params):
-        if not (isinstance(inpt, torch.Tensor) and inpt.dtype == torch.uint8 and inpt.ndim == 3):
-            return super().transform(inpt, params)
-        top, left, height, width = params["top"], params["left"], params["height"], params["width"]
-        crop = inpt[:, top:top + height, left:left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
-        return F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+        self.size, self.scale, self.ratio = [size, size], scale, ratio
+
+    def params(self, height, width):
+        """(top, left, crop height, crop width, flip) for an image of this size."""
+        u = torch.rand(23).tolist()
+        (smin, smax), (rmin, rmax) = self.scale, self.ratio
+        for k in range(0, 20, 2):
+            area = height * width * (smin + (smax - smin) * u[k])
+            aspect = rmin * (rmax / rmin) ** u[k + 1]
+            w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w, u[22] < 0.5
+        w, h = width, height  # v2's fallback: the whole image, trimmed to the nearest allowed aspect ratio
+        if width / height < rmin:
+            h = round(width / rmin)
+        elif width / height > rmax:
+            w = round(height * rmax)
+        return (height - h) // 2, (width - w) // 2, h, w, u[22] < 0.5
+
+    def __call__(self, image):
+        fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
+        top, left, height, width, flip = self.params(*(image.shape[1:] if fast else v2.functional.get_size(image)))
+        if fast:
+            crop = image[:, top:top + height, left:left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
+            image = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
+        else:
+            image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
+        return v2.functional.horizontal_flip(image) if flip else image
+
+
+def collate(samples):
+    """The loaders' collate_fn: default_collate on the images' HxWxC views, so that each uint8 image is
+    copied into the batch in the order it lies in memory (channels last, as decode_jpeg and the crop
+    leave it) instead of transposed, about 4x cheaper. The batch is NxCxHxW with channels-last strides;
+    the Prefetcher puts it into the model's memory format on the device."""
+    images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
+    return images.permute(0, 3, 1, 2), labels
 
 
 def build_datasets(args):
     """Workers decode and crop; they hand uint8 CxHxW tensors on, normalization happens on the device."""
-    train_tf = v2.Compose([RandomResizedCropUint8(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
+    train_tf = RandomResizedCropFlip(args.crop_size)
     val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
     if args.dummy:
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),
@@ -690,7 +728,7 @@ def main_worker(args, local_index=None):
     train_data = SeededSamples(train_set)
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     loader_args = dict(batch_size=local_batch, num_workers=args.workers, pin_memory=device.type == "cuda",
-                       persistent_workers=args.workers > 0)
+                       persistent_workers=args.workers > 0, collate_fn=collate)
     train_batches = Prefetcher(DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args),
                                device, args.channels_last)
     val_batches = Prefetcher(DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args),

@@ -13,13 +13,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "distributed.py"
 SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "DataError", "set_seed", "rng_state", "set_rng_state",
-          "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropUint8", "build_datasets", "TrainSampler",
+          "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "TrainSampler",
           "SeededSamples", "ShardSampler", "Prefetcher", "build_model", "param_groups", "lr_factor", "atomic_write",
           "save_checkpoint", "resume_path", "load_checkpoint", "check_and_load", "write_epoch"]
 # helpers every script that starts a torch.distributed process group carries as well
 PROCESS_GROUP = ["end_process_group"]
 # helpers a launcher has to do its own way: Horovod sums with hvd.allreduce, not torch.distributed
-OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}}
+OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}, "apex_distributed.py": {"collate"}}
 # a script for another task than ImageNet carries the task-independent helpers, and the launcher part of
 # the launcher it shares with the reference
 OTHER_TASKS = {"unet3d_apex.py": ["UserError", "DataError", "set_seed", "rng_state", "set_rng_state", "reduce_tensor",

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torchvision
 from PIL import Image
+from torch.utils.data import default_collate
+from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from conftest import import_script
@@ -60,14 +62,62 @@ def test_the_same_seed_gives_the_same_crop_and_label_as_the_pil_path(script, ima
         assert (image.int() - pil_to_tensor(pil_image).int()).abs().float().mean() < 3  # resampling differs in rounding
 
 
-def test_the_train_transform_resizes_like_v2(script):
-    """RandomResizedCropUint8's fast kernel against torchvision's own, on the same crop."""
+def test_the_fast_path_resizes_and_flips_like_v2(script):
+    """RandomResizedCropFlip's channels-last kernel against v2.functional's, on the same crops and flips."""
     image = torch.from_numpy(photo(120, 160)).permute(2, 0, 1)  # channels-last memory, as decode_jpeg returns it
-    fast = script.RandomResizedCropUint8(32, antialias=True)
-    reference = torchvision.transforms.v2.RandomResizedCrop(32, antialias=True)
-    for seed in range(5):
+    transform = script.RandomResizedCropFlip(32)
+    flips = 0
+    for seed in range(8):
         torch.manual_seed(seed)
-        ours = fast(image)
+        top, left, height, width, flip = transform.params(120, 160)
         torch.manual_seed(seed)
-        theirs = reference(image.contiguous())
-        assert (ours.int() - theirs.int()).abs().max() <= 1
+        ours = transform(image)
+        theirs = v2.functional.resized_crop(image.contiguous(), top, left, height, width, [32, 32], antialias=True)
+        theirs = v2.functional.horizontal_flip(theirs) if flip else theirs
+        flips += flip
+        assert ours.shape == (3, 32, 32) and (ours.int() - theirs.int()).abs().max() <= 1
+    assert 0 < flips < 8
+
+
+def ks_distance(x, y):
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    x, y = np.sort(x), np.sort(y)
+    points = np.concatenate([x, y])
+    return np.abs(np.searchsorted(x, points, side="right") / len(x) - np.searchsorted(y, points, side="right") / len(y)).max()
+
+
+def box_features(boxes, height, width):
+    """Area share, aspect ratio and centre (relative) of (top, left, height, width) boxes."""
+    top, left, h, w = boxes.T
+    return h * w / (height * width), w / h, (top + h / 2) / height, (left + w / 2) / width
+
+
+@pytest.mark.parametrize("height, width", [(120, 160), (160, 120), (40, 300)])
+def test_crops_and_flips_are_drawn_like_v2(script, height, width):
+    """Same distributions as v2.RandomResizedCrop and v2.RandomHorizontalFlip: crop area, aspect ratio
+    and position, and flips. 4000 draws each; two samples of one distribution stay below the KS bound
+    (0.045, about the 0.1% critical value), a wrong scale or ratio range lands far above it."""
+    torch.manual_seed(0)
+    transform, reference = script.RandomResizedCropFlip(32), v2.RandomResizedCrop(32)
+    ours = np.array([transform.params(height, width) for _ in range(4000)], dtype=float)
+    boxes = [reference.make_params([torch.empty(3, height, width)]) for _ in range(4000)]
+    theirs = np.array([(b["top"], b["left"], b["height"], b["width"]) for b in boxes], dtype=float)
+    for a, b in zip(box_features(ours[:, :4], height, width), box_features(theirs, height, width)):
+        assert ks_distance(a, b) < 0.045
+    assert abs(ours[:, 4].mean() - 0.5) < 0.03
+
+
+def test_v2s_fallback_crop_when_no_draw_fits(script):
+    """An image too long for any allowed crop gets v2's central fallback, exactly."""
+    torch.manual_seed(0)
+    box = v2.RandomResizedCrop(32).make_params([torch.empty(3, 12, 400)])
+    assert script.RandomResizedCropFlip(32).params(12, 400)[:4] == (box["top"], box["left"], box["height"], box["width"])
+
+
+def test_collate_keeps_channels_last_and_the_values_of_default_collate(script):
+    images = torch.from_numpy(photo(48, 64)).permute(2, 0, 1)
+    samples = [(script.RandomResizedCropFlip(32)(images), label) for label in range(5)]
+    batch, labels = script.collate(samples)
+    expected, expected_labels = default_collate(samples)
+    assert torch.equal(batch, expected) and torch.equal(labels, expected_labels)
+    assert batch.is_contiguous(memory_format=torch.channels_last)
