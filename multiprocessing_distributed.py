@@ -316,8 +316,9 @@ class ShardSampler(Sampler):
 
 
 class Prefetcher:
-    """Yields a loader's batches already on the device, one batch ahead: the copy runs on a side CUDA
-    stream on GPU, and uint8 becomes normalized float exactly once, on the device."""
+    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side CUDA
+    stream on GPU). On the device the uint8 batch takes the model's memory format and becomes
+    normalized float, exactly once."""
 
     def __init__(self, loader, device, channels_last=False):
         self.loader, self.device = loader, device
@@ -332,9 +333,9 @@ class Prefetcher:
     def _to_device(self, batch):
         images, target = batch
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
-            images = images.to(self.device, non_blocking=True)
+            images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
             target = target.to(self.device, non_blocking=True)
-            images = images.float().sub_(self.mean).div_(self.std).contiguous(memory_format=self.memory_format)
+            images = images.float().sub_(self.mean).div_(self.std)  # keeps the memory format
         return images, target
 
     def __iter__(self):
