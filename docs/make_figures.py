@@ -207,12 +207,12 @@ def traffic():
 
 # measured by benchmarks/*.py on the machine the README's Performance section names; update both together
 RESULTS = {
-    "input pipeline, one core (img/s)": [("(a) pytorch/examples", 489), ("(b) this repository", 813),
-                                         ("(c) decode only", 1197)],
+    "input pipeline, one core (img/s)": [("(a) pytorch/examples", 444), ("(b) this repository", 858),
+                                         ("(c) decode only", 1208)],
     "metric handling, cost per step (%)": [("tutorial: barrier + 3 all-reduce + .item()", 9.3),
                                            ("this repository: device sums", 0.1)],
-    "distributed.py, 1 -> 2 processes (img/s)": [("1 process, --benchmark", 111), ("2 processes, --benchmark", 176),
-                                                 ("1 process, whole pipeline", 106), ("2 processes, whole pipeline", 172)],
+    "distributed.py, 1 -> 2 processes (img/s)": [("1 process, --benchmark", 102), ("2 processes, --benchmark", 174),
+                                                 ("1 process, whole pipeline", 103), ("2 processes, whole pipeline", 167)],
 }
 
 

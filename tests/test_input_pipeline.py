@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision
 from PIL import Image
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, default_collate
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
@@ -114,10 +114,17 @@ def test_v2s_fallback_crop_when_no_draw_fits(script):
     assert script.RandomResizedCropFlip(32).params(12, 400)[:4] == (box["top"], box["left"], box["height"], box["width"])
 
 
-def test_collate_keeps_channels_last_and_the_values_of_default_collate(script):
-    images = torch.from_numpy(photo(48, 64)).permute(2, 0, 1)
-    samples = [(script.RandomResizedCropFlip(32)(images), label) for label in range(5)]
-    batch, labels = script.collate(samples)
-    expected, expected_labels = default_collate(samples)
-    assert torch.equal(batch, expected) and torch.equal(labels, expected_labels)
-    assert batch.is_contiguous(memory_format=torch.channels_last)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batches_reach_the_model_normalized_in_its_memory_format(script, channels_last):
+    """collate (here in a loader worker) keeps the crops' channels-last order; the Prefetcher hands the
+    model the values default_collate and one normalization give, in the model's memory format."""
+    image = torch.from_numpy(photo(48, 64)).permute(2, 0, 1)
+    torch.manual_seed(0)
+    samples = [(script.RandomResizedCropFlip(32)(image), label) for label in range(6)]
+    assert script.collate(samples)[0].is_contiguous(memory_format=torch.channels_last)
+    loader = DataLoader(samples, batch_size=6, num_workers=1, collate_fn=script.collate)
+    [(images, labels)] = list(script.Prefetcher(loader, torch.device("cpu"), channels_last))
+    raw, expected_labels = default_collate(samples)
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (script.IMAGENET_MEAN, script.IMAGENET_STD))
+    assert torch.equal(labels, expected_labels) and torch.allclose(images, (raw.float() - mean) / std)
+    assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
