@@ -10,9 +10,11 @@ augmenting every image, then collating the batch.
 (b) this repository: distributed.py's load_image (libjpeg-turbo via torchvision.io), train transform
     and collate (uint8 out; normalization happens once, on the device)
 (c) decode only, through torchvision.io.decode_jpeg
-Prints img/s for each and the ratios b/a (target >= 1.8) and b/c (target >= 0.7).
+Prints img/s for each and the ratios b/a (target >= 1.8) and b/c (target >= 0.7). With --workers N,
+it also times (a) and (b) through a DataLoader with N worker processes, as training runs them.
 """
 import argparse
+import functools
 import importlib.util
 import random
 import sys
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 import torchvision
 from PIL import Image
-from torch.utils.data import default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision import transforms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,26 +80,65 @@ def decode_only():
     return load, None
 
 
-def images_per_second(pipeline, paths, seconds):
-    """Best of several timed passes over the files (the least disturbed by anything else running)."""
-    load, collate = pipeline
+def best_rate(one_pass, images, seconds):
+    """img/s of the best of several timed passes (the one least disturbed by anything else running)."""
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         start = time.perf_counter()
+        one_pass()
+        best = max(best, images / (time.perf_counter() - start))
+    return best
+
+
+def images_per_second(pipeline, paths, seconds):
+    load, collate = pipeline
+
+    def one_pass():
         for first in range(0, len(paths), BATCH):
             samples = [(load(path), 0) for path in paths[first:first + BATCH]]
             if collate:
                 collate(samples)
-        best = max(best, len(paths) / (time.perf_counter() - start))
-    return best
+    return best_rate(one_pass, len(paths), seconds)
+
+
+class Files(Dataset):
+    def __init__(self, paths, load):
+        self.paths, self.load = paths, load
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        return self.load(self.paths[index]), 0
+
+
+def loader_images_per_second(pipeline, paths, seconds, workers):
+    """The same work done by a DataLoader's worker processes (forked, so that they inherit the pipeline);
+    this process only receives the batches."""
+    load, collate = pipeline
+    loader = DataLoader(Files(paths, load), batch_size=BATCH, num_workers=workers, collate_fn=collate,
+                        persistent_workers=True, multiprocessing_context="fork")
+    return best_rate(lambda: sum(1 for _ in loader), len(paths), seconds)
+
+
+def compare(rates, paths, args, **kwargs):
+    """Best img/s of each pipeline, the pipelines taking turns so that a slow moment of the machine hits all."""
+    best = dict.fromkeys(rates, 0.0)
+    for _ in range(args.rounds):
+        for name, rate in rates.items():
+            best[name] = max(best[name], rate(paths, args.seconds / args.rounds, **kwargs))
+    for name, rate in best.items():
+        print(f"{name:20s} {rate:7.0f} img/s")
+    return list(best.values())
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("folder", nargs="?", help="JPEGs to read (searched recursively); default: generated ones")
     p.add_argument("--limit", type=int, default=200, help="at most this many files")
-    p.add_argument("--seconds", type=float, default=6, help="time per pipeline and round")
+    p.add_argument("--seconds", type=float, default=6, help="time per pipeline, shared among the rounds")
     p.add_argument("--rounds", type=int, default=2, help="the pipelines take turns this many times")
+    p.add_argument("--workers", type=int, default=0, help="also time (a) and (b) through a DataLoader with this many workers")
     args = p.parse_args()
     torch.set_num_threads(1)
     random.seed(0)
@@ -111,15 +152,14 @@ def main():
         print(f"{len(paths)} JPEGs, mean {kb:.0f} kB, one core (torch threads 1)")
         pipelines = {"a pytorch/examples": examples_pipeline(), "b this repository": repository_pipeline(reference_script()),
                      "c decode only": decode_only()}
-        best = dict.fromkeys(pipelines, 0.0)
-        for _ in range(args.rounds):  # alternate, so that a slow moment of the machine hits all three
-            for name, pipeline in pipelines.items():
-                best[name] = max(best[name], images_per_second(pipeline, paths, args.seconds / args.rounds))
-        for name, rate in best.items():
-            print(f"{name:20s} {rate:7.0f} img/s")
-        a, b, c = best.values()
+        a, b, c = compare({name: functools.partial(images_per_second, pipeline) for name, pipeline in pipelines.items()},
+                          paths, args)
         print(f"b / a = {b / a:.2f} (target >= 1.8)   b / c = {b / c:.2f} (target >= 0.7)")
-
+        if args.workers:
+            print(f"through a DataLoader with {args.workers} worker(s):")
+            a, b = compare({name: functools.partial(loader_images_per_second, pipelines[name]) for name in list(pipelines)[:2]},
+                           paths, args, workers=args.workers)
+            print(f"b / a = {b / a:.2f}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -207,8 +207,8 @@ def traffic():
 
 # measured by benchmarks/*.py on the machine the README's Performance section names; update both together
 RESULTS = {
-    "input pipeline, one core (img/s)": [("(a) pytorch/examples", 444), ("(b) this repository", 858),
-                                         ("(c) decode only", 1208)],
+    "input pipeline, one core (img/s)": [("(a) pytorch/examples", 426), ("(b) this repository", 854),
+                                         ("(c) decode only", 1204)],
     "metric handling, cost per step (%)": [("tutorial: barrier + 3 all-reduce + .item()", 9.3),
                                            ("this repository: device sums", 0.1)],
     "distributed.py, 1 -> 2 processes (img/s)": [("1 process, --benchmark", 102), ("2 processes, --benchmark", 174),

@@ -9,8 +9,9 @@ from conftest import ROOT, Job, load, ok
 
 # script and arguments: what each prints when it works
 BENCHMARKS = {
-    "input_pipeline.py": (["--limit", "6", "--seconds", "0.2", "--rounds", "1"],
-                          r"b / a = [\d.]+ \(target >= 1.8\)   b / c = [\d.]+ \(target >= 0.7\)"),
+    "input_pipeline.py": (["--limit", "6", "--seconds", "0.2", "--rounds", "1", "--workers", "1"],
+                          r"b / a = [\d.]+ \(target >= 1.8\)   b / c = [\d.]+ \(target >= 0.7\)"
+                          r"[\s\S]*DataLoader with 1 worker[\s\S]*\nb / a = [\d.]+\n"),
     "loop_overhead.py": (["--steps", "3", "--rounds", "1"], r"\(2\) this repository.* ms/step  overhead +[-+][\d.]+%"),
     "scaling.py": (["--steps", "2", "--dummy-size", "32", "--crop-size", "32", "-b", "16"],
                    r"\n +2 +\d+ +\d+% +\d+ +\d+%"),
