@@ -102,6 +102,18 @@ class DataError(UserError):
     """A bad input file, found by the one rank that reads it: that rank reports it."""
 
 
+def exit_bad_input(error, reporter):
+    """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
+    met a bad file). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
+    exit stops the others at once, and would otherwise stop the reporting rank before it has printed."""
+    if reporter or isinstance(error, DataError):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
+        time.sleep(30)
+    sys.exit(2)
+
+
 def set_seed(seed):
     random.seed(seed)
     torch.manual_seed(seed)
@@ -581,9 +593,7 @@ def main():
     try:
         main_worker(args)
     except UserError as e:
-        if local_rank == 0 or isinstance(e, DataError):  # one line per node: each node may see its own problem
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_bad_input(e, reporter=local_rank == 0)  # one line per node: each node may see its own problem
     finally:
         end_process_group()
 

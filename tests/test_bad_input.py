@@ -96,6 +96,24 @@ def test_bad_input_gets_one_clear_line(script, name, image_data, tmp_path):
     assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
 
+SLOW_RANK_0 = """
+import os, runpy, sys, time
+if os.environ["LOCAL_RANK"] == "0":
+    time.sleep(3)
+runpy.run_path(sys.argv.pop(1), run_name="__main__")
+"""
+
+
+def test_the_reporting_rank_prints_even_when_a_silent_rank_fails_first(image_data, tmp_path):
+    """Local rank 0 reports; here it starts last. The other rank finds the error first and must not exit
+    before rank 0 has printed, since torchrun stops every process as soon as one exits."""
+    wrapper = tmp_path / "slow_rank_0.py"
+    wrapper.write_text(SLOW_RANK_0)
+    processes, make_args, expected = CASES["batch not divisible by world size"]
+    args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
+    assert_one_clear_line(torchrun(wrapper, processes, SCRIPT, *args).finish(timeout=120), expected, launcher_reports=True)
+
+
 def test_spawn_rendezvous_port_already_in_use(image_data, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
