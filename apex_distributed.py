@@ -111,15 +111,15 @@ class UserError(Exception):
         return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1]
 
 
-class DataError(UserError):
-    """A bad input file, found by the one rank that reads it: that rank reports it."""
+class RankError(UserError):
+    """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
 
 
 def exit_bad_input(error, reporter):
     """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
-    met a bad file). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
+    met a RankError). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
     exit stops the others at once, and would otherwise stop the reporting rank before it has printed."""
-    if reporter or isinstance(error, DataError):
+    if reporter or isinstance(error, RankError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
@@ -214,7 +214,7 @@ def load_image(path):
         with Image.open(path) as img:
             return v2.functional.pil_to_tensor(img.convert("RGB"))
     except (OSError, SyntaxError, ValueError, RuntimeError) as e:
-        raise DataError(f"cannot read image {path} ({e}): replace or remove the file") from None
+        raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
 class RandomResizedCropFlip:
@@ -594,7 +594,7 @@ def find_processes():
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise UserError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+        raise RankError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
                         f"start at most that many processes per node (--nproc_per_node)")
     torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", local_rank)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "distributed.py"
-SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "DataError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state",
+SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "RankError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state",
           "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "TrainSampler",
           "SeededSamples", "ShardSampler", "Prefetcher", "build_model", "param_groups", "lr_factor", "atomic_write",
           "save_checkpoint", "resume_path", "load_checkpoint", "check_and_load", "write_epoch"]
@@ -22,7 +22,7 @@ PROCESS_GROUP = ["end_process_group"]
 OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}, "apex_distributed.py": {"collate"}}
 # a script for another task than ImageNet carries the task-independent helpers, and the launcher part of
 # the launcher it shares with the reference
-OTHER_TASKS = {"unet3d_apex.py": ["UserError", "DataError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state", "reduce_tensor",
+OTHER_TASKS = {"unet3d_apex.py": ["UserError", "RankError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state", "reduce_tensor",
                                   "TrainSampler", "SeededSamples", "ShardSampler", "atomic_write", "save_checkpoint",
                                   "resume_path", "write_epoch", "find_processes", "start_process_group", "wrap_model",
                                   "sync_buffers", "gather_rng_states", "Preemption", "end_process_group", "main"]}

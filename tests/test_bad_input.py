@@ -98,20 +98,35 @@ def test_bad_input_gets_one_clear_line(script, name, image_data, tmp_path):
 
 SLOW_RANK_0 = """
 import os, runpy, sys, time
+import torch
+if os.environ.get("ONE_FAKE_GPU"):  # this machine has none: make torch see one, so rank 1 lacks its own
+    torch.cuda.is_available, torch.cuda.device_count, torch.cuda.set_device = lambda: True, lambda: 1, lambda d: None
 if os.environ["LOCAL_RANK"] == "0":
     time.sleep(3)
 runpy.run_path(sys.argv.pop(1), run_name="__main__")
 """
 
 
+def slow_rank_0(script, tmp_path, *args, env=None):
+    """torchrun with 2 processes, local rank 0 (the reporting rank) starting 3 s after the other."""
+    wrapper = tmp_path / "slow_rank_0.py"
+    wrapper.write_text(SLOW_RANK_0)
+    return torchrun(wrapper, 2, script, *FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *args, env=env).finish(120)
+
+
 def test_the_reporting_rank_prints_even_when_a_silent_rank_fails_first(image_data, tmp_path):
     """Local rank 0 reports; here it starts last. The other rank finds the error first and must not exit
     before rank 0 has printed, since torchrun stops every process as soon as one exits."""
-    wrapper = tmp_path / "slow_rank_0.py"
-    wrapper.write_text(SLOW_RANK_0)
-    processes, make_args, expected = CASES["batch not divisible by world size"]
-    args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
-    assert_one_clear_line(torchrun(wrapper, processes, SCRIPT, *args).finish(timeout=120), expected, launcher_reports=True)
+    _, make_args, expected = CASES["batch not divisible by world size"]
+    assert_one_clear_line(slow_rank_0(SCRIPT, tmp_path, *make_args(image_data, tmp_path)), expected, launcher_reports=True)
+
+
+@pytest.mark.parametrize("script", [SCRIPT, "apex_distributed.py"])
+def test_more_processes_than_gpus_is_reported_by_the_rank_without_one(script, image_data, tmp_path):
+    """Only local ranks >= the GPU count meet this, so they report it themselves, not local rank 0."""
+    job = slow_rank_0(script, tmp_path, image_data, env={"ONE_FAKE_GPU": "1"})
+    assert_one_clear_line(job, r"LOCAL_RANK 1 but only 1 GPUs are visible: start at most that many processes per node "
+                               r"\(--nproc_per_node\)", launcher_reports=True)
 
 
 def test_spawn_rendezvous_port_already_in_use(image_data, tmp_path):
