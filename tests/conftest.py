@@ -26,6 +26,10 @@ TORCHRUN = str(BIN / "torchrun")
 FAST = ["--crop-size", "32", "--val-resize", "36", "-j", "0", "-p", "1000", "-b", "16", "--lr", "0.005"]
 # bit-identical reruns, and a progress line every step to wait for
 RESUME = [*FAST, "--deterministic", "-p", "1"]
+# epochs of the reference run that resumed runs and other launchers must equal. Its validation accuracy
+# swings from epoch to epoch (BatchNorm's running statistics lag behind 12 fast steps an epoch): three
+# epochs reached 70% on one CPU and only 50% on another; four reached it on both, and for 8 of 8 data seeds
+EPOCHS = 4
 CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
                    "world_size", "rng_states", "train_sums"}
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
@@ -184,7 +188,7 @@ def assert_same_tensors(a, b, exact=True, rtol=1e-4, atol=1e-6):
             assert_same_tensors(x, y, exact, rtol, atol)
 
 
-def assert_same_run(out, reference, epochs=3):
+def assert_same_run(out, reference, epochs=EPOCHS):
     """Same weights and optimizer state bit for bit, same metrics.jsonl but for the timings."""
     a, b = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
     assert a["epoch"] == b["epoch"] == epochs
@@ -251,9 +255,9 @@ def image_data(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def uninterrupted(image_data, tmp_path_factory):
-    """torchrun, 2 processes, 3 epochs, deterministic: what resumed runs and other launchers must equal."""
+    """torchrun, 2 processes, EPOCHS epochs, deterministic: what resumed runs and other launchers must equal."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    ok(torchrun("distributed.py", 2, image_data, *RESUME, "--epochs", "3", "--output-dir", out))
+    ok(torchrun("distributed.py", 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", out))
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (CHECKPOINT_KEYS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, assert_same_tensors, load, metrics, ok,
+from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, assert_same_tensors, load, metrics, ok,
                       python, torchrun)
 
 SCRIPT = "distributed.py"
@@ -93,30 +93,30 @@ def test_pretrained_weights_come_through_the_torchvision_api(image_data, tmp_pat
 
 def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninterrupted):
     ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))
-    job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
+    job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
     assert "resumed from" in job.output and "(epoch 1, step 0)" in job.output
     assert_same_run(tmp_path, uninterrupted)
 
 
 def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image_data, tmp_path, uninterrupted):
-    job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path)
+    job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.process_of_rank(1).send_signal(signal.SIGTERM)  # one rank only: the others must agree to stop with it
     step = assert_preempted(job, tmp_path)
-    resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
+    resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, uninterrupted)
 
 
 def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, tmp_path, uninterrupted):
-    job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path,
+    job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path,
                    launcher_args=["--max-restarts=1"], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     job.wait_for_line("Epoch 1 [ 1/12]")
     job.process_of_rank(1).send_signal(signal.SIGKILL)
     ok(job)
     assert "pytorch#135712" not in job.output
     assert "(epoch 1, step 0)" in job.output  # restarted from the checkpoint of epoch 0
-    assert [r["epoch"] for r in metrics(tmp_path)] == [0, 1, 2]
+    assert [r["epoch"] for r in metrics(tmp_path)] == list(range(EPOCHS))
     assert_same_run(tmp_path, uninterrupted)
 
 

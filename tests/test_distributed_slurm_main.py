@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, RESUME, ROOT, Job, assert_same_run, import_script, load, metrics, ok, python
+from conftest import BIN, EPOCHS, RESUME, ROOT, Job, assert_same_run, import_script, load, metrics, ok, python
 
 SCRIPT = "distributed_slurm_main.py"
 BASE = os.environ.get("LOCAL_SLURM_BASE", "/tmp/pytorch-multigpu-slurm")
@@ -99,9 +99,9 @@ def test_hostlist_expansion_matches_scontrol(slurm):
 def test_one_task_per_process_on_two_nodes_equals_torchrun(slurm, image_data, tmp_path, uninterrupted):
     """srun -N2 -n2: rank SLURM_PROCID on two nodes, rendezvous on the first; the same weights, bit for
     bit, as distributed.py under torchrun with 2 processes."""
-    job = ok(srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path), timeout=400)
+    job = ok(srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path), timeout=400)
     assert "distributed_slurm_main.py: world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
-    assert job.output.count("Epoch 2: train loss") == 1  # only rank 0 prints
+    assert job.output.count(f"Epoch {EPOCHS - 1}: train loss") == 1  # only rank 0 prints
     assert_same_run(tmp_path, uninterrupted)
     rows = metrics(tmp_path)
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and max(r["val_acc1"] for r in rows) > 40, rows  # chance: 25
@@ -110,7 +110,7 @@ def test_one_task_per_process_on_two_nodes_equals_torchrun(slurm, image_data, tm
 
 def test_one_task_per_node_spawning_two_processes_equals_torchrun(slurm, image_data, tmp_path, uninterrupted):
     """srun -N1 -n1 --procs-per-node 2: the task starts ranks 0 and 1 itself."""
-    job = ok(srun(slurm, ["-N1", "-n1"], image_data, *RESUME, "--epochs", "3", "--procs-per-node", "2",
+    job = ok(srun(slurm, ["-N1", "-n1"], image_data, *RESUME, "--epochs", EPOCHS, "--procs-per-node", "2",
                   "--output-dir", tmp_path), timeout=400)
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
     assert_same_run(tmp_path, uninterrupted)
@@ -150,7 +150,7 @@ def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     out, log = tmp_path / "out", tmp_path / "job.log"
     submitted = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", *resources, "--cpus-per-task=1",
                               f"--chdir={ROOT}", f"--output={log}", sbatch_example(example, tmp_path), image_data,
-                              *RESUME, "--epochs", "3", *args, "--output-dir", out, check=True)
+                              *RESUME, "--epochs", EPOCHS, *args, "--output-dir", out, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.time() + 300
     while "Epoch 0 [ 3/12]" not in (log.read_text() if log.exists() else ""):

@@ -4,7 +4,7 @@ every process on Ctrl-C or when a worker dies."""
 import os
 import signal
 
-from conftest import RESUME, assert_learned, assert_preempted, assert_same_run, free_port, load, metrics, ok, python, spawn
+from conftest import EPOCHS, RESUME, assert_learned, assert_preempted, assert_same_run, free_port, load, metrics, ok, python, spawn
 
 SCRIPT = "multiprocessing_distributed.py"
 SHORT = [*RESUME, "-p", "1000", "--epochs", "1"]
@@ -13,20 +13,20 @@ SHORT = [*RESUME, "-p", "1000", "--epochs", "1"]
 def test_spawned_processes_learn_and_equal_torchrun(image_data, tmp_path, uninterrupted):
     """Same seed, data and global batch: bit-identical weights and the same metrics.jsonl as
     `torchrun --nproc_per_node=2 distributed.py`."""
-    job = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path))
+    job = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path))
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
-    ckpt = assert_learned(tmp_path, epochs=3)
+    ckpt = assert_learned(tmp_path, epochs=EPOCHS)
     assert ckpt["world_size"] == 2 and len(ckpt["rng_states"]) == 2
     assert ckpt["args"]["dist_url"].startswith("tcp://127.0.0.1:") and ckpt["args"]["nprocs"] == 2
     assert_same_run(tmp_path, uninterrupted)
 
 
 def test_sigterm_to_the_parent_reaches_every_worker_and_resume_auto_continues(image_data, tmp_path, uninterrupted):
-    job = spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--output-dir", tmp_path)
+    job = spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.send_signal(signal.SIGTERM)  # what `kill` or a scheduler sends the process it started
     step = assert_preempted(job, tmp_path)
-    resumed = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", "3", "--resume", "auto", "--output-dir", tmp_path))
+    resumed = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, uninterrupted)
 
