@@ -22,12 +22,14 @@ import argparse
 import contextlib
 import datetime
 import functools
+import inspect
 import json
 import math
 import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -138,9 +140,13 @@ def rng_state():
 
 
 def set_rng_state(state):
+    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
+    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"].numel():
+    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda_all"])
+    elif torch.cuda.is_available() and state["cuda"].numel():
         torch.cuda.set_rng_state(state["cuda"])
 
 
@@ -335,6 +341,8 @@ class Prefetcher:
         self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is not None:  # mean and std were made on the current stream: the side stream reads them
+            self.stream.wait_stream(torch.cuda.current_stream(device))
 
     def __len__(self):
         return len(self.loader)
@@ -442,9 +450,12 @@ def resume_path(args):
     return args.resume or None
 
 
-def load_checkpoint(path, device, arch):
+def load_checkpoint(path, arch):
+    """The checkpoint, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
+    copies weights and optimizer state to the model's device itself, and a copy kept on the GPU would
+    take a model's worth of its memory for the whole run."""
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
@@ -455,6 +466,19 @@ def load_checkpoint(path, device, arch):
         raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another checkpoint")
     consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
     return ckpt
+
+
+def check_same_checkpoint(views):
+    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
+    points wait for each other at different steps until the job times out."""
+    if len(set(views)) > 1:
+        seen = {}
+        for rank, view in enumerate(views):
+            seen.setdefault(view, []).append(rank)
+        text = "; ".join(f"{'rank' if len(ranks) == 1 else f'{len(ranks)} ranks from'} {ranks[0]}: "
+                         + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
+        raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
+                        f"must be on a filesystem that every node shares and sees up to date")
 
 
 def check_and_load(args, world_size, device):
@@ -474,7 +498,7 @@ def check_and_load(args, world_size, device):
         if not os.path.isdir(os.path.join(args.data, split)):
             raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, one folder per class")
     ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, device, args.arch) if ckpt_path else None
+    ckpt = load_checkpoint(ckpt_path, args.arch) if ckpt_path else None
     train_set, val_set = build_datasets(args)
     if len(train_set) < args.batch_size and not args.evaluate:
         raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: lower -b")
@@ -541,14 +565,17 @@ class MasterWeights:
             group["params"] = [masters.get(id(p), p) for p in group["params"]]
 
     def grads_to_master(self):
-        """The model's half gradients (all-reduced, still loss-scaled) become the masters' fp32 gradients."""
-        for p, master in self.pairs:
-            master.grad, p.grad = None if p.grad is None else p.grad.float(), None
+        """The model's half gradients (all-reduced, still loss-scaled) become the masters' fp32 gradients,
+        converted by one foreach copy (a few kernel launches for the whole model, as apex's multi_tensor_scale)."""
+        pairs = [(p, master) for p, master in self.pairs if p.grad is not None]
+        grads = [torch.empty_like(master) for _, master in pairs]
+        torch._foreach_copy_(grads, [p.grad for p, _ in pairs])
+        for (p, master), grad in zip(pairs, grads):
+            master.grad, p.grad = grad, None
 
     @torch.no_grad()
     def master_to_model(self):
-        for p, master in self.pairs:
-            p.copy_(master)
+        torch._foreach_copy_([p for p, _ in self.pairs], [master for _, master in self.pairs])
 
 
 def amp_initialize(model, optimizer, args, dtype, device, log):
@@ -606,17 +633,44 @@ def start_process_group(args, device, log):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
         log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
             "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # torchrun's store
+    return join_process_group(args, store, rank, world_size, device)
+
+
+def join_process_group(args, store, rank, world_size, device):
+    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
+    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
+    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
+    --gpus 1,1, two launchers on one machine). Each counts itself in under its machine and GPU."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout),
+    if "nccl" in backend and device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device)
+        key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+        store.add(key, 1)
+        if store.add("gpu-check/arrived", 1) == world_size:
+            store.set("gpu-check/done", "1")
+        store.wait(["gpu-check/done"])
+        if store.add(key, 0) > 1:
+            raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU ({gpu.name}, "
+                            f"cuda:{device.index} here), which NCCL does not allow: start one process per GPU "
+                            f"(Slurm: --gpus-per-task=1), or use --dist-backend gloo")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.dist_timeout),
                             device_id=device if device.type == "cuda" else None)
-    # a CPU group for the preemption flag: agreeing on it never waits on the GPU
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
 def wrap_model(model, device):
     if not dist.is_initialized():
         return model
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    no_sync = {}
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        # SyncBatchNorm keeps the statistics equal on every rank: broadcasting them before each forward is waste.
+        # torch 2.14 renamed the option (and warns about the old name); older releases know only the old one
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
 def sync_buffers(model):
@@ -626,12 +680,13 @@ def sync_buffers(model):
             dist.broadcast(buf, 0)
 
 
-def gather_rng_states():
+def gather_objects(obj):
+    """obj from every rank, in rank order (one, without a process group)."""
     if not dist.is_initialized():
-        return [rng_state()]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state())
-    return states
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
 
 
 class Preemption:
@@ -686,11 +741,11 @@ def end_process_group():
 # ---------------------------------------------------------------------------------------------
 def main():
     args = parse_args()
-    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         main_worker(args)
     except UserError as e:
-        exit_bad_input(e, reporter=rank == 0)
+        exit_bad_input(e, reporter=local_rank == 0)  # one line per node: each node may see its own problem
     finally:
         end_process_group()
 
@@ -698,7 +753,7 @@ def main():
 def main_worker(args):
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
     torch.backends.cudnn.benchmark = not args.deterministic
     rank, local_rank, world_size, device = find_processes()
     log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
@@ -708,6 +763,7 @@ def main_worker(args):
     set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
 
     group = start_process_group(args, device, log)
+    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
     preemption = Preemption(group)
     local_batch = args.batch_size // world_size
     log(f"{os.path.basename(__file__)}: world size {world_size}, device {device.type}, backend "
@@ -756,6 +812,7 @@ def main_worker(args):
                 log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
                     f"random states start afresh (results match, but not bit for bit)")
         log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
+        ckpt = None  # all of it is in place now: keep no second copy of the weights
     ddp_model = wrap_model(model, device)
 
     if args.benchmark:  # the model, the step and the all-reduce without the input pipeline: this hardware's speed
@@ -777,7 +834,7 @@ def main_worker(args):
         return
 
     def checkpoint(epoch, step, sums, is_best):
-        states = gather_rng_states()  # every rank takes part
+        states = gather_objects(rng_state())  # every rank takes part
         if rank == 0:
             save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch,
                              "state_dict": fp32_state_dict(model, master_weights), "optimizer": optimizer.state_dict(),

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import inspect
 import itertools
 import json
 import math
@@ -30,6 +31,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -128,9 +130,13 @@ def rng_state():
 
 
 def set_rng_state(state):
+    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
+    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"].numel():
+    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda_all"])
+    elif torch.cuda.is_available() and state["cuda"].numel():
         torch.cuda.set_rng_state(state["cuda"])
 
 
@@ -226,6 +232,19 @@ def resume_path(args):
     if args.resume and not os.path.exists(args.resume):
         raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
     return args.resume or None
+
+
+def check_same_checkpoint(views):
+    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
+    points wait for each other at different steps until the job times out."""
+    if len(set(views)) > 1:
+        seen = {}
+        for rank, view in enumerate(views):
+            seen.setdefault(view, []).append(rank)
+        text = "; ".join(f"{'rank' if len(ranks) == 1 else f'{len(ranks)} ranks from'} {ranks[0]}: "
+                         + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
+        raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
+                        f"must be on a filesystem that every node shares and sees up to date")
 
 
 def write_epoch(row, writer, output_dir):
@@ -494,9 +513,11 @@ class SegMetrics:
         return {"loss": loss / max(n, 1), "dice": 2 * inter / max(pred + true, 1), "count": int(n), "nonfinite": int(bad)}
 
 
-def load_checkpoint(path, device, config):
+def load_checkpoint(path, config):
+    """The checkpoint, on the CPU: random states must reach set_rng_state as CPU tensors, and a copy kept on
+    the GPU would take a model's worth of its memory for the whole run."""
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
@@ -528,7 +549,7 @@ def check_and_load(args, rank, world_size, device):
     train_set, val_set = build_datasets(args)
     config = model_config(args, train_set.channels)
     ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, device, config) if ckpt_path else None
+    ckpt = load_checkpoint(ckpt_path, config) if ckpt_path else None
     if len(train_set) * args.patches_per_volume < args.batch_size and not args.evaluate:
         raise UserError(f"{len(train_set)} training volumes x {args.patches_per_volume} patches are fewer than one global "
                         f"batch of {args.batch_size}: lower -b or raise --patches-per-volume")
@@ -560,17 +581,44 @@ def start_process_group(args, device, log):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
         log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
             "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # torchrun's store
+    return join_process_group(args, store, rank, world_size, device)
+
+
+def join_process_group(args, store, rank, world_size, device):
+    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
+    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
+    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
+    --gpus 1,1, two launchers on one machine). Each counts itself in under its machine and GPU."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout),
+    if "nccl" in backend and device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device)
+        key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+        store.add(key, 1)
+        if store.add("gpu-check/arrived", 1) == world_size:
+            store.set("gpu-check/done", "1")
+        store.wait(["gpu-check/done"])
+        if store.add(key, 0) > 1:
+            raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU ({gpu.name}, "
+                            f"cuda:{device.index} here), which NCCL does not allow: start one process per GPU "
+                            f"(Slurm: --gpus-per-task=1), or use --dist-backend gloo")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.dist_timeout),
                             device_id=device if device.type == "cuda" else None)
-    # a CPU group for the preemption flag: agreeing on it never waits on the GPU
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
 def wrap_model(model, device):
     if not dist.is_initialized():
         return model
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    no_sync = {}
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        # SyncBatchNorm keeps the statistics equal on every rank: broadcasting them before each forward is waste.
+        # torch 2.14 renamed the option (and warns about the old name); older releases know only the old one
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
 def sync_buffers(model):
@@ -580,12 +628,13 @@ def sync_buffers(model):
             dist.broadcast(buf, 0)
 
 
-def gather_rng_states():
+def gather_objects(obj):
+    """obj from every rank, in rank order (one, without a process group)."""
     if not dist.is_initialized():
-        return [rng_state()]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state())
-    return states
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
 
 
 class Preemption:
@@ -661,6 +710,7 @@ def main_worker(args):
     set_seed(args.seed + rank)
 
     group = start_process_group(args, device, log)
+    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
     preemption = Preemption(group)
     local_batch = args.batch_size // world_size
     patch = tuple(args.patch_size)
@@ -693,7 +743,8 @@ def main_worker(args):
                                               **loader_args), device)
     steps_per_epoch = len(train_batches)
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(args.milestones), gamma=args.gamma)
     start_epoch, start_step, best_dice, train_sums = 0, 0, -1.0, None
     if ckpt:
@@ -711,6 +762,7 @@ def main_worker(args):
                 log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
                     f"random states start afresh (results match, but not bit for bit)")
         log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
+        ckpt = None  # all of it is in place now: keep no second copy of the weights
     ddp_model = wrap_model(model, device)
 
     def run_evaluation():
@@ -724,7 +776,7 @@ def main_worker(args):
         return
 
     def checkpoint(epoch, step, sums, is_best):
-        states = gather_rng_states()  # every rank takes part
+        states = gather_objects(rng_state())  # every rank takes part
         if rank == 0:
             save_checkpoint({"epoch": epoch, "step": step, "arch": "unet3d", "model": model_config(args, train_set.channels),
                              "state_dict": model.state_dict(), "optimizer": optimizer.state_dict(),

@@ -15,17 +15,18 @@ REFERENCE = "distributed.py"
 SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "RankError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state",
           "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "TrainSampler",
           "SeededSamples", "ShardSampler", "Prefetcher", "build_model", "param_groups", "lr_factor", "atomic_write",
-          "save_checkpoint", "resume_path", "load_checkpoint", "check_and_load", "write_epoch"]
+          "save_checkpoint", "resume_path", "load_checkpoint", "check_same_checkpoint", "check_and_load", "write_epoch"]
 # helpers every script that starts a torch.distributed process group carries as well
-PROCESS_GROUP = ["end_process_group"]
+PROCESS_GROUP = ["join_process_group", "end_process_group"]
 # helpers a launcher has to do its own way: Horovod sums with hvd.allreduce, not torch.distributed
 OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}, "apex_distributed.py": {"collate"}}
 # a script for another task than ImageNet carries the task-independent helpers, and the launcher part of
 # the launcher it shares with the reference
 OTHER_TASKS = {"unet3d_apex.py": ["UserError", "RankError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state", "reduce_tensor",
                                   "TrainSampler", "SeededSamples", "ShardSampler", "atomic_write", "save_checkpoint",
-                                  "resume_path", "write_epoch", "find_processes", "start_process_group", "wrap_model",
-                                  "sync_buffers", "gather_rng_states", "Preemption", "end_process_group", "main"]}
+                                  "resume_path", "check_same_checkpoint", "write_epoch", "find_processes",
+                                  "start_process_group", "join_process_group", "wrap_model", "sync_buffers",
+                                  "gather_objects", "Preemption", "end_process_group", "main"]}
 
 
 def definitions(source):
@@ -53,7 +54,7 @@ def differences(script):
     ref_source, source = (ROOT / REFERENCE).read_text(), (ROOT / script).read_text()
     ref, own = definitions(ref_source), definitions(source)
     out = []
-    shared = SHARED + (PROCESS_GROUP if "dist.init_process_group(" in source else [])
+    shared = SHARED + (PROCESS_GROUP if "process_group(" in source else [])
     for name in OTHER_TASKS.get(script, shared):
         if name in OWN_WAY.get(script, ()):
             continue
