@@ -606,21 +606,25 @@ def join_process_group(args, store, rank, world_size, device):
     GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
     --gpus 1,1, two launchers on one machine). Each counts itself in under its machine and GPU."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    if "nccl" in backend and device.type == "cuda":
-        gpu = torch.cuda.get_device_properties(device)
-        key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
-        store.add(key, 1)
-        if store.add("gpu-check/arrived", 1) == world_size:
-            store.set("gpu-check/done", "1")
-        store.wait(["gpu-check/done"])
-        if store.add(key, 0) > 1:
-            raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU ({gpu.name}, "
-                            f"cuda:{device.index} here), which NCCL does not allow: start one process per GPU "
-                            f"(Slurm: --gpus-per-task=1), or use --dist-backend gloo")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.dist_timeout),
-                            device_id=device if device.type == "cuda" else None)
-    return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    try:
+        if "nccl" in backend and device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(device)
+            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+            store.add(key, 1)
+            if store.add("gpu-check/arrived", 1) == world_size:
+                store.set("gpu-check/done", "1")
+            store.wait(["gpu-check/done"])
+            if store.add(key, 0) > 1:
+                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU ({gpu.name}, "
+                                f"cuda:{device.index} here), which NCCL does not allow: start one process per GPU "
+                                f"(Slurm: --gpus-per-task=1), or use --dist-backend gloo")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=args.dist_timeout),
+                                device_id=device if device.type == "cuda" else None)
+        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
+        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: a "
+                        f"rank elsewhere may have stopped (see the output of every node), or was never started") from None
 
 
 def wrap_model(model, device):

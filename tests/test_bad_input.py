@@ -151,3 +151,11 @@ def test_spawn_node_that_never_joins_ends_the_job_within_the_timeout(image_data,
 def test_gpus_on_a_machine_without_cuda(script, image_data, tmp_path):
     job = python(script, image_data, *FAST, "--gpus", "0,2", "--output-dir", tmp_path).finish(60)
     assert_one_clear_line(job, r"--gpus 0,2: CUDA is not available on this machine; drop --gpus to train on the CPU")
+
+
+@pytest.mark.parametrize("script", [SPAWN, DATAPARALLEL])
+def test_gpus_naming_one_gpu_twice(script, image_data, tmp_path):
+    """Two processes (or DataParallel replicas) on one GPU: NCCL's "Duplicate GPU detected" deep in a
+    traceback before; checked before CUDA is looked at, so this machine without GPUs sees it too."""
+    job = python(script, image_data, *FAST, "--gpus", "1,0,1", "--output-dir", tmp_path).finish(60)
+    assert_one_clear_line(job, r"--gpus 1,0,1 names GPU 1 more than once: list each GPU once")

@@ -201,6 +201,20 @@ def test_a_failing_task_ends_the_whole_job(way, slurm, image_data, tmp_path):
     assert job.returncode != 0 and time.time() - started < 60, job.output
 
 
+@pytest.mark.parametrize("way", ["one task per process", "one task per node"])
+def test_a_problem_only_one_node_has_is_reported_by_that_node(way, slurm, image_data, tmp_path):
+    """The second node lacks the data folder the first has (a mount missing on one host). Errors used to
+    come from global rank 0 only: the job failed without a word about why. Each node's first process reports."""
+    (tmp_path / "data0").symlink_to(image_data)
+    extra = "--procs-per-node 1" if way == "one task per node" else ""
+    command = (f"exec {sys.executable} {ROOT / SCRIPT} {tmp_path}/data$SLURM_NODEID {' '.join(RESUME)} {extra} "
+               f"--output-dir {tmp_path}/out")  # each task's own data folder: data0 or data1
+    job = Job(["srun", "--kill-on-bad-exit=1", "-N2", "-n2", "bash", "-c", command], env=slurm).finish(120)
+    errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
+    assert job.returncode != 0 and len(errors) == 1, job.output
+    assert re.search(r"data folder '.*data1' not found: give a folder with train/ and val/", errors[0]), job.output
+
+
 def test_a_wrong_rendezvous_file_location_is_one_clear_error(slurm, image_data, tmp_path):
     job = srun(slurm, ["-N1", "-n2"], image_data, *RESUME, "--dist-file", tmp_path / "nowhere" / "rdzv").finish(120)
     errors = [line for line in job.output.splitlines() if line.startswith("error: ")]

@@ -1,0 +1,76 @@
+"""Defects that only CUDA runs show, caught here where a CPU can stand in (tests/gpu/ runs them on a GPU)."""
+import pytest
+import torch
+import torch.distributed as dist
+import torchvision
+
+from conftest import import_script
+
+IMAGENET_SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
+                    "horovod_distributed.py", "distributed_slurm_main.py"]
+DDP_SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "apex_distributed.py", "distributed_slurm_main.py",
+               "unet3d_apex.py"]
+
+
+def tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from tensors(value)
+
+
+def assert_resumes_with_cpu_states(module, ckpt):
+    """What a resume hands to torch: CPU tensors only, and random states set_rng_state takes."""
+    devices = {t.device.type for t in tensors(ckpt)}
+    assert devices == {"cpu"}, devices
+    for state in ckpt["rng_states"]:
+        module.set_rng_state(state)
+
+
+@pytest.mark.parametrize("script", IMAGENET_SCRIPTS)
+def test_a_checkpoint_loaded_for_a_gpu_is_on_the_cpu(script, image_data, uninterrupted):
+    """Loaded with map_location=device, every resume on a GPU crashed: the random states landed on the
+    GPU and torch.set_rng_state refused them. The meta device stands in for the GPU here: it fails the
+    same way ("RNG state must be a torch.ByteTensor") when anything is mapped to the device."""
+    module = import_script(script)
+    args = module.parse_args([str(image_data), "--resume", str(uninterrupted / "checkpoint.pth.tar"), "-b", "16"])
+    *_, ckpt = module.check_and_load(args, 1, torch.device("meta"))
+    assert ckpt["epoch"] > 0
+    assert_resumes_with_cpu_states(module, ckpt)
+    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):  # what mapping to the device did
+        module.set_rng_state({**ckpt["rng_states"][0], "torch": ckpt["rng_states"][0]["torch"].to("meta")})
+
+
+def test_a_unet_checkpoint_loaded_for_a_gpu_is_on_the_cpu(tmp_path):
+    module = import_script("unet3d_apex.py")
+    args = module.parse_args(["--synthetic", "--resume", str(tmp_path / "ckpt.pth.tar")])
+    config = module.model_config(args, 1)
+    torch.save({"arch": "unet3d", "model": config, "state_dict": module.UNet3D(**config).state_dict(), "epoch": 1,
+                "rng_states": [module.rng_state()]}, tmp_path / "ckpt.pth.tar")
+    *_, ckpt = module.check_and_load(args, 0, 1, torch.device("meta"))
+    assert_resumes_with_cpu_states(module, ckpt)
+
+
+@pytest.fixture
+def process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("script", DDP_SCRIPTS)
+def test_ddp_broadcasts_buffers_only_without_sync_batchnorm(script, process_group, monkeypatch):
+    """SyncBatchNorm keeps the statistics equal on every rank: DDP broadcasting them before every forward
+    is a collective per step for nothing. Without SyncBatchNorm the broadcast keeps the ranks equal. DDP
+    takes SyncBatchNorm on GPU modules only: here the options the script gives DDP are looked at."""
+    module = import_script(script)
+    options = []
+    monkeypatch.setattr(module, "DistributedDataParallel", lambda model, **kwargs: options.append(kwargs))
+    module.wrap_model(torchvision.models.resnet18(), torch.device("cpu"))
+    module.wrap_model(torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18()), torch.device("cpu"))
+    plain, synced = ({k: v for k, v in o.items() if k != "device_ids"} for o in options)
+    assert plain == {} and synced in ({"forward_sync_buffers": False}, {"broadcast_buffers": False}), options
