@@ -366,23 +366,73 @@ class Prefetcher:
             yield batch
 
 
-def build_model(args, num_classes):
-    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
-    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning)."""
+def check_model(args):
+    """Refuses, in one line and before any data is read, options the model does not take and a --crop-size it
+    cannot train at. One training forward pass of the model built on the meta device (shapes without memory or
+    arithmetic: 0.01-0.8 s) tells whether --crop-size fits; only when it does not, more passes find the size to
+    name: the only one a model built for one image size takes (vit_*, maxvit_t), or the smallest one the others
+    take (inception_v3 75, alexnet 63, vgg and convnext 32, densenet 29, ...)."""
     try:
-        model = torchvision.models.get_model(args.arch, num_classes=num_classes,
-                                             **({} if args.dropout is None else {"dropout": args.dropout}))
+        with torch.device("meta"):
+            model = build_model(args, 1000, load_weights=False).train()
+    except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
+        return  # they take any size
+
+    def failure(size):
+        """Why a training forward pass of 2 images of size x size fails; None if it works."""
+        try:
+            output = model(torch.empty(2, 3, size, size, device="meta"))
+        except NotImplementedError:  # an operation the meta device lacks: no verdict
+            return None
+        except (RuntimeError, AssertionError, ValueError) as e:  # shape checks
+            return str(e).strip().splitlines()[-1][:200]
+        return None if isinstance(output, torch.Tensor) else f"it returns {type(output).__name__}, not logits"
+
+    reason = failure(args.crop_size)
+    if reason is None:
+        return
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+    hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
+    fits = next((size for size in hints if size and failure(size) is None), None)
+    if fits is None:
+        raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason})")
+    if failure(fits + 1) is not None:
+        raise UserError(f"--arch {args.arch}{' --pretrained' if args.pretrained else ''} takes {fits}x{fits} images "
+                        f"only: use --crop-size {fits}")
+    low = fits - 1 if failure(fits - 1) else 0  # the smallest size that fits lies in (low, fits]; often it is the hint
+    while fits - low > 1:
+        middle = (low + fits) // 2
+        low, fits = (low, middle) if failure(middle) is None else (middle, fits)
+    if args.crop_size < fits:
+        raise UserError(f"--crop-size {args.crop_size} is too small for --arch {args.arch}: use at least {fits}")
+    raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
+
+
+def build_model(args, num_classes, load_weights=True):
+    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
+    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning);
+    load_weights=False builds the model for them without loading them (check_model)."""
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
+    options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
+    if args.arch in ("googlenet", "inception_v3"):
+        # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
+        # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
+        options.update(aux_logits=False, init_weights=True, transform_input=True)
+    if weights is not None and args.arch.startswith("vit_"):  # a ViT takes one image size: the one of its weights
+        options["image_size"] = weights.meta["min_size"][0]  # (518 for vit_h_14's)
+    try:
+        model = torchvision.models.get_model(args.arch, **options)
     except TypeError as e:
         raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
-    if args.pretrained:
-        weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+    if weights is not None and load_weights:
         try:
             pretrained = weights.get_state_dict(progress=False)
         except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
             raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
                             f"the file into $TORCH_HOME/hub/checkpoints/") from None
-        own = model.state_dict()
-        model.load_state_dict({k: v for k, v in pretrained.items() if own[k].shape == v.shape}, strict=False)
+        own = model.state_dict()  # the auxiliary classifiers' weights have no place in it
+        model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape},
+                              strict=False)
     return model
 
 
@@ -483,6 +533,7 @@ def check_and_load(args, world_size, device):
     if args.arch not in MODEL_NAMES:
         raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
                         f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
+    check_model(args)
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -542,7 +593,7 @@ def join_process_group(args, store, rank, world_size, device):
     """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
     flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
     GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
-    --gpus 1,1, two launchers on one machine). Each counts itself in under its machine and GPU."""
+    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     try:
         if "nccl" in backend and device.type == "cuda":

@@ -590,7 +590,7 @@ def join_process_group(args, store, rank, world_size, device):
     """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
     flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
     GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
-    --gpus 1,1, two launchers on one machine). Each counts itself in under its machine and GPU."""
+    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     try:
         if "nccl" in backend and device.type == "cuda":

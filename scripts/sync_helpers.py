@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "distributed.py"
 SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "RankError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state",
           "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "TrainSampler",
-          "SeededSamples", "ShardSampler", "Prefetcher", "build_model", "param_groups", "lr_factor", "atomic_write",
+          "SeededSamples", "ShardSampler", "Prefetcher", "check_model", "build_model", "param_groups", "lr_factor", "atomic_write",
           "save_checkpoint", "resume_path", "load_checkpoint", "check_same_checkpoint", "check_and_load", "write_epoch"]
 # helpers every script that starts a torch.distributed process group carries as well
 PROCESS_GROUP = ["join_process_group", "end_process_group"]

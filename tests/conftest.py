@@ -22,6 +22,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
+# torchrun of this Python: its script, or (a system or --user install puts the script elsewhere) its module
+TORCHRUN_CMD = [TORCHRUN] if os.path.exists(TORCHRUN) else [sys.executable, "-m", "torch.distributed.run"]
+# tests/gpu is the GPU acceptance suite: scripts/test_gpu.sh runs it (GPU_SUITE=1); GPU_SUITE_ON_CPU=1 tries its
+# code on the CPU. The CPU suite (`pytest tests`) leaves it out.
+collect_ignore = [] if os.environ.get("GPU_SUITE") == "1" or os.environ.get("GPU_SUITE_ON_CPU") == "1" else ["gpu"]
 # small images, no loader workers unless a test asks, no progress lines unless a test asks
 FAST = ["--crop-size", "32", "--val-resize", "36", "-j", "0", "-p", "1000", "-b", "16", "--lr", "0.005"]
 # bit-identical reruns, and a progress line every step to wait for
@@ -134,7 +139,15 @@ def run(cmd, timeout=300, **kwargs):
 
 
 def torchrun(script, nproc, *args, launcher_args=(), **kwargs):
-    return Job([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, ROOT / script, *args], **kwargs)
+    return Job([*TORCHRUN_CMD, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, ROOT / script, *args], **kwargs)
+
+
+def two_nodes(script, *args, node_args=lambda node: [], nproc=1, **kwargs):
+    """Two nodes emulated on this machine, as on two hosts: two torchrun agents (--nnodes=2, --node-rank 0
+    and 1) that meet at one --rdzv-endpoint. node_args(node) adds what differs per node (its own folders)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    return [Job([*TORCHRUN_CMD, "--nnodes=2", f"--node-rank={node}", f"--nproc_per_node={nproc}",
+                 f"--rdzv-endpoint={endpoint}", ROOT / script, *args, *node_args(node)], **kwargs) for node in (0, 1)]
 
 
 def python(script, *args, **kwargs):

@@ -1,0 +1,81 @@
+"""Two GPUs: NCCL between two of them under every launcher, and DataParallel over two. Skipped on a machine of one
+GPU (saying so); with GPU_SUITE_ON_CPU=1, two processes stand in for the two GPUs."""
+import pytest
+
+from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, metrics, ok, python,
+                      spawn, torchrun)
+
+from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HALF, NCCL, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
+                      assert_scaler, assert_trains, checkpoint_of, free_port, gpus, horovod_missing, horovodrun, ok_all,
+                      preempt, srun_tasks, two_gpus, worker)
+
+pytestmark = two_gpus
+
+
+@pytest.fixture(scope="module")
+def two_gpu_reference(image_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_gpus")
+    return ok(torchrun(DISTRIBUTED, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", out)), out
+
+
+def test_torchrun_with_nccl_across_two_gpus_learns(two_gpu_reference):
+    job, out = two_gpu_reference
+    assert f"world size 2, device {DEVICE}, backend {NCCL}, global batch 16 = 2 x 8" in job.output, job.output
+    ckpt = assert_learned(out, EPOCHS)
+    assert ckpt["world_size"] == 2 and len(ckpt["rng_states"]) == 2
+
+
+def test_sigterm_on_rank_1_then_resume_auto_equals_the_uninterrupted_run(image_data, tmp_path, two_gpu_reference):
+    args = [image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path]
+    job = torchrun(DISTRIBUTED, 2, *args)
+    preempt(job, worker(job, 1), "Epoch 0 [ 1/12]")  # one rank only, once both are training
+    step = assert_preempted(job, tmp_path)
+    resumed = ok(torchrun(DISTRIBUTED, 2, *args, "--resume", "auto"))
+    assert f"(epoch 0, step {step})" in resumed.output
+    assert_same_run(tmp_path, two_gpu_reference[1])
+
+
+TWO = f"world size 2, device {DEVICE}, backend {NCCL}, global batch 16 = 2 x 8"
+# name: (start(data, output folder) -> jobs, what rank 0 says, processes)
+CASES = {
+    "dataparallel-gpus-0,1": (
+        lambda d, o: [python(DATAPARALLEL, d, *FAST, *gpus("0,1"), "--amp", "bf16", "--epochs", 2, "--output-dir", o)],
+        "one process, device cpu, plain model, global batch 16 = 1 x 16" if ON_CPU else
+        "one process, device cuda, DataParallel over GPUs [0, 1], global batch 16 split over 2 GPUs", 1),
+    "spawn-gpus-0,1": (
+        lambda d, o: [spawn(SPAWN, 2, d, *FAST, *gpus("0,1"), "--epochs", 2, "--output-dir", o)], TWO, 2),
+    "slurm-two-tasks": (
+        lambda d, o: srun_tasks(2, d, *FAST, "--epochs", 2, "--output-dir", o), TWO, 2),
+    "slurm-one-task-two-processes": (
+        lambda d, o: [python(SLURM, d, *FAST, "--procs-per-node", 2, "--epochs", 2, "--output-dir", o,
+                             env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()})], TWO, 2),
+    "apex-O2-sync-bn": (
+        lambda d, o: [torchrun(APEX, 2, d, *FAST, "--opt-level", "O2", "--half-dtype", HALF, "--sync-bn",
+                               "--channels-last", "--epochs", 2, "--output-dir", o)], TWO, 2),
+    "unet3d-amp-sync-bn": (
+        lambda d, o: [torchrun(UNET, 2, *UNET_ARGS, "--amp", "--sync-bn", "--epochs", 2, "--output-dir", o)],
+        f"world size 2, device {DEVICE}, backend {NCCL}, global batch 4 = 2 x 2 patches", 2),
+    "horovod": (
+        lambda d, o: [horovodrun(2, d, *FAST, "--epochs", 2, "--output-dir", o)],
+        f"world size 2, device {DEVICE}, backend horovod/gloo", 2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_launcher_across_two_gpus(case, image_data, tmp_path):
+    if case == "horovod" and (why := horovod_missing()):
+        pytest.skip(why)
+    start, says, processes = CASES[case]
+    jobs = ok_all(start(image_data, tmp_path))
+    output = "".join(job.output for job in jobs)
+    assert says in output, output
+    ckpt = checkpoint_of(tmp_path)
+    assert (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (2, processes, processes)
+    if not ON_CPU:
+        assert "--sync-bn: off" not in output and "stands in" not in output, output
+    if case.startswith("unet3d"):
+        rows = metrics(tmp_path)
+        assert [r["epoch"] for r in rows] == [0, 1] and rows[-1]["val_dice"] > 0, rows
+        assert_scaler(ckpt, fp16=True)
+    else:
+        assert_trains(tmp_path, 2)

@@ -1,0 +1,117 @@
+"""Two ranks on one GPU, so that the multi-rank CUDA paths run on a machine of one GPU: two torchrun agents as two
+nodes (torchrun takes LOCAL_RANK only below the GPU count), spawn likewise as two nodes, two srun tasks that see
+the same GPU. Over gloo (CUDA tensors) they train: DDP, SyncBatchNorm, fp16 with its GradScaler, checkpoints and the
+agreement on a preemption. Over NCCL, which cannot put two ranks on one GPU, they stop with one clear line."""
+import os
+
+import pytest
+
+from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, metrics, ok, python,
+                      two_nodes)
+
+from .harness import (APEX, DEVICE, DISTRIBUTED, FP16, HALF, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
+                      assert_exit_2_same_gpu, assert_scaler, assert_trains, checkpoint_of, cuda_only, finish_all,
+                      free_port, ok_all, preempt, spawn_nodes, srun_tasks, worker)
+
+GLOO = ["--dist-backend", "gloo"]
+SHARED = f"world size 2, device {DEVICE}, backend gloo, global batch 16 = 2 x 8"
+# the first visible GPU alone, for launches that would otherwise give each rank a GPU of its own
+FIRST_GPU = {} if ON_CPU else {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+
+
+def test_two_ranks_on_one_gpu_learn_over_gloo(shared_gpu_reference):
+    job, out = shared_gpu_reference
+    assert SHARED in job.output, job.output
+    ckpt = assert_learned(out, EPOCHS)
+    assert ckpt["world_size"] == 2 and len(ckpt["rng_states"]) == 2
+
+
+def test_sigterm_on_rank_1_then_resume_auto_equals_the_uninterrupted_run(image_data, tmp_path, shared_gpu_reference):
+    args = [image_data, *RESUME, *GLOO, "--epochs", EPOCHS, "--output-dir", tmp_path]
+    first, second = two_nodes(DISTRIBUTED, *args)
+    # one rank only, once both are training: the other must agree to stop at the same step
+    preempt(first, worker(second, 1), "Epoch 0 [ 1/12]")
+    step = assert_preempted(first, tmp_path)
+    ok(second)
+    resumed = ok_all(two_nodes(DISTRIBUTED, *args, "--resume", "auto"))
+    assert f"(epoch 0, step {step})" in resumed[0].output, resumed[0].output
+    assert_same_run(tmp_path, shared_gpu_reference[1])
+
+
+def test_sync_bn_over_two_ranks_equals_batch_norm_over_their_global_batch(image_data, tmp_path, reference):
+    """SyncBatchNorm takes the statistics over both ranks' 8 images: epoch 0 of 2 x 8 with --sync-bn is, to float
+    rounding, epoch 0 of one process with plain BatchNorm over all 16 (the reference: same samples and steps)."""
+    jobs = ok_all(two_nodes(DISTRIBUTED, image_data, *RESUME, *GLOO, "--sync-bn", "--epochs", 1,
+                            "--output-dir", tmp_path))
+    assert SHARED in jobs[0].output, jobs[0].output
+    if ON_CPU:
+        assert "--sync-bn: off on CPU" in jobs[0].output
+        pytest.skip("GPU_SUITE_ON_CPU=1: SyncBatchNorm needs CUDA; the run went through, with per-process BatchNorm")
+    assert "--sync-bn: off" not in jobs[0].output
+    mine, theirs = metrics(tmp_path)[0], metrics(reference[1])[0]
+    for key in ("train_loss", "val_loss"):
+        assert mine[key] == pytest.approx(theirs[key], rel=1e-3), (key, mine, theirs)
+    for key in ("train_acc1", "val_acc1"):  # a near tie may flip a prediction or two
+        assert mine[key] == pytest.approx(theirs[key], abs=2.1), (key, mine, theirs)
+
+
+# name: (start(data, output folder) -> jobs, what rank 0 says)
+CASES = {
+    f"distributed-{FP16}-sync-bn-channels-last": (
+        lambda d, o: two_nodes(DISTRIBUTED, d, *FAST, *GLOO, "--amp", FP16, "--sync-bn", "--channels-last",
+                               "--epochs", 2, "--output-dir", o),
+        SHARED),
+    "spawn-two-nodes": (
+        lambda d, o: spawn_nodes(d, *FAST, *GLOO, "--epochs", 2, "--output-dir", o),
+        SHARED),
+    "slurm-two-tasks": (
+        lambda d, o: srun_tasks(2, d, *FAST, *GLOO, "--epochs", 2, "--output-dir", o, env=FIRST_GPU),
+        SHARED),
+    "slurm-one-task-two-processes": (
+        lambda d, o: [python(SLURM, d, *FAST, *GLOO, "--procs-per-node", 2, "--epochs", 2, "--output-dir", o,
+                             env={**FIRST_GPU, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()})],
+        SHARED),
+    "apex-O2-sync-bn-channels-last": (
+        lambda d, o: two_nodes(APEX, d, *FAST, *GLOO, "--opt-level", "O2", "--half-dtype", HALF, "--sync-bn",
+                               "--channels-last", "--epochs", 2, "--output-dir", o),
+        SHARED),
+    "unet3d-amp-sync-bn": (
+        lambda d, o: two_nodes(UNET, *UNET_ARGS, *GLOO, "--amp", "--sync-bn", "--epochs", 2, "--output-dir", o),
+        f"world size 2, device {DEVICE}, backend gloo, global batch 4 = 2 x 2 patches"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_multi_rank_cuda_paths_of_every_script_on_one_gpu(case, image_data, tmp_path):
+    start, says = CASES[case]
+    jobs = ok_all(start(image_data, tmp_path))
+    output = "".join(job.output for job in jobs)
+    assert says in output, output
+    ckpt = checkpoint_of(tmp_path)
+    assert (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (2, 2, 2)
+    if not ON_CPU:  # SyncBatchNorm and fp16 are CUDA's: no notice that they are off
+        assert "--sync-bn: off" not in output and "stands in" not in output and "bf16 autocast on CPU" not in output
+    if case.startswith("unet3d"):
+        rows = metrics(tmp_path)
+        assert [r["epoch"] for r in rows] == [0, 1] and rows[-1]["val_dice"] > 0, rows
+        assert_scaler(ckpt, fp16=True)
+    else:
+        assert_trains(tmp_path, 2)
+        assert_scaler(ckpt, fp16=FP16 in case or "O2" in case and HALF == "float16")
+
+
+NCCL_CASES = {
+    DISTRIBUTED: lambda d, o: two_nodes(DISTRIBUTED, d, *FAST, "--epochs", 1, "--output-dir", o),
+    APEX: lambda d, o: two_nodes(APEX, d, *FAST, "--epochs", 1, "--output-dir", o),
+    UNET: lambda d, o: two_nodes(UNET, *UNET_ARGS, "--epochs", 1, "--output-dir", o),
+    SPAWN: lambda d, o: spawn_nodes(d, *FAST, "--epochs", 1, "--output-dir", o),
+    SLURM: lambda d, o: srun_tasks(2, d, *FAST, "--epochs", 1, "--output-dir", o, env=FIRST_GPU),
+}
+
+
+@cuda_only
+@pytest.mark.parametrize("script", NCCL_CASES)
+def test_nccl_stops_two_ranks_on_one_gpu_with_one_clear_line(script, image_data, tmp_path):
+    jobs = finish_all(NCCL_CASES[script](image_data, tmp_path / "out"), timeout=180)
+    assert_exit_2_same_gpu(jobs)
+    assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
