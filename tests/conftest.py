@@ -165,6 +165,11 @@ def free_port():
         return s.getsockname()[1]
 
 
+def error_lines(text):
+    """The `error: ...` lines of a job's output: what the scripts print on bad input."""
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
 def ok(job, timeout=300):
     job.finish(timeout)
     assert job.returncode == 0, job.output

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import FAST, free_port, python, spawn, torchrun
+from conftest import FAST, error_lines, free_port, python, spawn, torchrun
 
 SCRIPT = "distributed.py"
 
@@ -79,7 +79,7 @@ def launch(script, processes, *args, env=None):
 
 def assert_one_clear_line(job, expected, launcher_reports=False):
     """Exit code 2 and one `error:` line; a launcher (torchrun) may add its own report and exit code."""
-    errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
+    errors = error_lines(job.output)
     assert job.returncode != 0, job.output
     assert len(errors) == 1 and re.search(expected, errors[0]), job.output
     if not launcher_reports:

@@ -7,11 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import EPOCHS, FAST, RESUME, ROOT, assert_same_run, ok, two_nodes
-
-
-def error_lines(job):
-    return [line for line in job.output.splitlines() if line.startswith("error: ")]
+from conftest import EPOCHS, FAST, RESUME, ROOT, assert_same_run, error_lines, ok, two_nodes
 
 
 def test_two_nodes_train_exactly_as_two_processes_on_one(image_data, tmp_path, uninterrupted):
@@ -34,10 +30,10 @@ def test_a_problem_only_one_node_has_is_reported_by_that_node(script, image_data
         job.finish(120)
         assert job.returncode != 0, job.output
     assert [re.search(r"data folder '.*data1' not found: give a folder with train/ and val/", line) is not None
-            for line in error_lines(jobs[1])] == [True], jobs[1].output
+            for line in error_lines(jobs[1].output)] == [True], jobs[1].output
     assert [re.search(r"not every rank joined the process group within --dist-timeout 15s: a rank elsewhere may have "
                       r"stopped \(see the output of every node\)", line) is not None
-            for line in error_lines(jobs[0])] == [True], jobs[0].output
+            for line in error_lines(jobs[0].output)] == [True], jobs[0].output
     assert f'File "{ROOT / script}"' not in jobs[0].output + jobs[1].output  # torchrun's own report is fine
 
 
@@ -51,7 +47,7 @@ def test_ranks_that_find_different_checkpoints_stop_with_one_line_per_node(image
     for job in jobs:
         job.finish(120)
         assert job.returncode != 0, job.output
-        assert error_lines(job) == [
+        assert error_lines(job.output) == [
             f"error: the ranks found different checkpoints to resume from (rank 0: epoch {EPOCHS} step 0; rank 1: "
             f"none): --output-dir and --resume must be on a filesystem that every node shares and sees up to date"
         ], job.output

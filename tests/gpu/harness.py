@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, RESUME, ROOT, Job, free_port, load, metrics, python, spawn, torchrun
+from conftest import BIN, RESUME, ROOT, Job, error_lines, free_port, load, metrics, python, spawn, torchrun
 
 ON_CPU = os.environ.get("GPU_SUITE_ON_CPU") == "1"
 if ON_CPU:  # this process (the in-process model steps) and every launch see no GPU
@@ -203,10 +203,6 @@ def assert_scaler(ckpt, fp16):
         assert ckpt["scaler"] == {}, ckpt["scaler"]
 
 
-def error_lines(text):
-    return [line for line in text.splitlines() if line.startswith("error: ")]
-
-
 def assert_exit_2_same_gpu(jobs, ranks=2):
     """The ranks that share a GPU under NCCL stop with a one-line error each (at most one per rank) and exit
     code 2: the process itself, or its worker in torchrun's failure report (torchrun itself then exits 1)."""
@@ -224,3 +220,21 @@ def assert_exit_2_same_gpu(jobs, ranks=2):
 
 def checkpoint_of(out):
     return load(out / "checkpoint.pth.tar")
+
+
+def assert_multi_rank_run(case, jobs, says, processes, out):
+    """A 2-epoch run of `processes` ranks (case names its script and options) finished and trained, said `says`,
+    and on a GPU left no notice that a CUDA feature (SyncBatchNorm, float16) was off. Returns its checkpoint."""
+    output = "".join(job.output for job in ok_all(jobs))
+    assert says in output, output
+    ckpt = checkpoint_of(out)
+    assert (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (2, processes, processes)
+    if not ON_CPU:
+        assert "--sync-bn: off" not in output and "stands in" not in output and "bf16 autocast on CPU" not in output
+    if case.startswith("unet3d"):
+        rows = metrics(out)
+        assert [r["epoch"] for r in rows] == [0, 1] and rows[-1]["val_dice"] > 0, rows
+        assert_scaler(ckpt, fp16=True)
+    else:
+        assert_trains(out, 2)
+    return ckpt

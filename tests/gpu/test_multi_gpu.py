@@ -2,12 +2,12 @@
 GPU (saying so); with GPU_SUITE_ON_CPU=1, two processes stand in for the two GPUs."""
 import pytest
 
-from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, metrics, ok, python,
-                      spawn, torchrun)
+from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, ok, python, spawn,
+                      torchrun)
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HALF, NCCL, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
-                      assert_scaler, assert_trains, checkpoint_of, free_port, gpus, horovod_missing, horovodrun, ok_all,
-                      preempt, srun_tasks, two_gpus, worker)
+                      assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, preempt, srun_tasks, two_gpus,
+                      worker)
 
 pytestmark = two_gpus
 
@@ -66,16 +66,4 @@ def test_every_launcher_across_two_gpus(case, image_data, tmp_path):
     if case == "horovod" and (why := horovod_missing()):
         pytest.skip(why)
     start, says, processes = CASES[case]
-    jobs = ok_all(start(image_data, tmp_path))
-    output = "".join(job.output for job in jobs)
-    assert says in output, output
-    ckpt = checkpoint_of(tmp_path)
-    assert (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (2, processes, processes)
-    if not ON_CPU:
-        assert "--sync-bn: off" not in output and "stands in" not in output, output
-    if case.startswith("unet3d"):
-        rows = metrics(tmp_path)
-        assert [r["epoch"] for r in rows] == [0, 1] and rows[-1]["val_dice"] > 0, rows
-        assert_scaler(ckpt, fp16=True)
-    else:
-        assert_trains(tmp_path, 2)
+    assert_multi_rank_run(case, start(image_data, tmp_path), says, processes, tmp_path)

@@ -10,7 +10,7 @@ from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, as
                       two_nodes)
 
 from .harness import (APEX, DEVICE, DISTRIBUTED, FP16, HALF, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
-                      assert_exit_2_same_gpu, assert_scaler, assert_trains, checkpoint_of, cuda_only, finish_all,
+                      assert_exit_2_same_gpu, assert_multi_rank_run, assert_scaler, cuda_only, finish_all,
                       free_port, ok_all, preempt, spawn_nodes, srun_tasks, worker)
 
 GLOO = ["--dist-backend", "gloo"]
@@ -84,19 +84,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_multi_rank_cuda_paths_of_every_script_on_one_gpu(case, image_data, tmp_path):
     start, says = CASES[case]
-    jobs = ok_all(start(image_data, tmp_path))
-    output = "".join(job.output for job in jobs)
-    assert says in output, output
-    ckpt = checkpoint_of(tmp_path)
-    assert (ckpt["epoch"], ckpt["world_size"], len(ckpt["rng_states"])) == (2, 2, 2)
-    if not ON_CPU:  # SyncBatchNorm and fp16 are CUDA's: no notice that they are off
-        assert "--sync-bn: off" not in output and "stands in" not in output and "bf16 autocast on CPU" not in output
-    if case.startswith("unet3d"):
-        rows = metrics(tmp_path)
-        assert [r["epoch"] for r in rows] == [0, 1] and rows[-1]["val_dice"] > 0, rows
-        assert_scaler(ckpt, fp16=True)
-    else:
-        assert_trains(tmp_path, 2)
+    ckpt = assert_multi_rank_run(case, start(image_data, tmp_path), says, 2, tmp_path)
+    if not case.startswith("unet3d"):
         assert_scaler(ckpt, fp16=FP16 in case or "O2" in case and HALF == "float16")
 
 
