@@ -10,12 +10,14 @@ first GPU, all under one Python interpreter lock. Prefer distributed.py for real
     python dataparallel.py --dummy --crop-size 64 -b 64 --epochs 3
 
 No multi-node: DataParallel stays within one machine. What differs from distributed.py: no process
-group, so nothing is all-reduced; the shared helpers (Metrics) still call reduce_tensor, kept
-byte-identical, which without a process group just copies. The model is wrapped in DataParallel
-around an Autocast module (autocast is thread-local and the replicas run in threads); checkpoints
-hold the plain model, so distributed.py and this script load each other's. Training takes the same
-samples, crops and steps as `python distributed.py` (one process): the same TrainSampler with one
-replica, and the same seeds, so on CPU both end with the same weights.
+group (start_process_group returns none), so sums and gathers over processes just copy. The model is
+wrapped in DataParallel around an Autocast module (autocast is thread-local and the replicas run in
+threads); checkpoints hold the plain model, so distributed.py and this script load each other's, and
+training equals `python distributed.py` (one process) step for step: on CPU, the same weights.
+
+Read it top to bottom: the command line; the launcher part (how the processes find each other, the
+process group, wrapping the model, one optimizer step, sums over processes); the training flow
+(main -> main_worker -> train_one_epoch / evaluate); an appendix of the helpers every script carries.
 """
 import argparse
 import contextlib
@@ -45,48 +47,405 @@ MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (not needed with --dummy)")
-    p.add_argument("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
-    p.add_argument("--dummy-size", type=int, default=1280, metavar="N", help="with --dummy: training images (validation gets N/4)")
-    p.add_argument("-a", "--arch", default="resnet18", metavar="ARCH", help="any torchvision classification model (default: resnet18)")
-    p.add_argument("--pretrained", action="store_true", help="start from the model's default torchvision weights")
-    p.add_argument("--dropout", type=float, default=None, help="dropout rate for models that take one (0 turns it off)")
-    p.add_argument("-j", "--workers", type=int, default=4, help="data loading processes per training process")
-    p.add_argument("--epochs", type=int, default=90)
-    p.add_argument("-b", "--batch-size", type=int, default=256, help="global batch over all processes; must divide by the world size")
-    p.add_argument("--lr", type=float, default=0.1, help="learning rate for the global batch")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    p.add_argument("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
-    p.add_argument("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step epochs")
-    p.add_argument("--lr-step", type=int, default=30, help="epochs between step decays")
-    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warmup from 0 to --lr")
-    p.add_argument("--crop-size", type=int, default=224)
-    p.add_argument("--val-resize", type=int, default=256, help="validation images are resized to this, then center-cropped")
-    p.add_argument("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
-    p.add_argument("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
-    p.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
-    p.add_argument("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
-    p.add_argument("--seed", type=int, default=0, help="same seed, same data and world-size-independent results")
-    p.add_argument("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
-    p.add_argument("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--benchmark", type=int, default=0, metavar="N",
-                   help="train N steps on synthetic batches already on the device (no data loading), print img/s, exit")
-    p.add_argument("--gpus", default=None, metavar="IDS", help="comma-separated GPU ids to use, e.g. 0,2,5 (default: all visible)")
+    add = p.add_argument
+    add("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (not needed with --dummy)")
+    add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
+    add("--dummy-size", type=int, default=1280, metavar="N", help="with --dummy: training images (validation: N/4)")
+    add("-a", "--arch", default="resnet18", metavar="ARCH", help="any torchvision classification model")
+    add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
+    add("--dropout", type=float, default=None, help="dropout rate for models that take one (0 turns it off)")
+    add("-j", "--workers", type=int, default=4, help="data loading processes per training process")
+    add("--epochs", type=int, default=90)
+    add("-b", "--batch-size", type=int, default=256, help="global batch over all processes; divides by the world size")
+    add("--lr", type=float, default=0.1, help="learning rate for the global batch")
+    add("--momentum", type=float, default=0.9)
+    add("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
+    add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
+    add("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step")
+    add("--lr-step", type=int, default=30, help="epochs between step decays")
+    add("--warmup-epochs", type=float, default=0.0, help="linear warmup from 0 to --lr")
+    add("--crop-size", type=int, default=224)
+    add("--val-resize", type=int, default=256, help="validation images are resized to this, then center-cropped")
+    add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
+    add("--channels-last", action="store_true")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
+    add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
+    add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
+    add("--seed", type=int, default=0, help="same seed, same data and world-size-independent results")
+    add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
+    add("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
+    add("--benchmark", type=int, default=0, metavar="N",
+        help="train N steps on synthetic batches already on the device (no data loading), print img/s, exit")
+    add("--gpus", default=None, metavar="IDS", help="comma-separated GPU ids to use, e.g. 0,2,5 (default: all visible)")
     args = p.parse_args(argv)
     args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
     return args
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers shared byte-for-byte by every script of this repository (tests/test_helpers_identical.py)
-# ---------------------------------------------------------------------------------------------
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+# =============================================================================================
+# The launcher part: one process, its GPUs, DataParallel. Every sibling defines these names, with
+# these parameters, its own way: find_processes, check_launch_args, start_process_group,
+# end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
+# wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
+# =============================================================================================
+def find_processes(args, local_index):
+    """(rank, local_rank, world_size, device) of this process: always the only one, on the first of its GPUs
+    (outputs are gathered and the loss computed there) or the CPU."""
+    args.gpus = select_gpus(args)
+    if not args.gpus:
+        return 0, 0, 1, torch.device("cpu")
+    torch.cuda.set_device(args.gpus[0])
+    return 0, 0, 1, torch.device("cuda", args.gpus[0])
 
 
+def select_gpus(args):
+    """The GPU ids to use: --gpus, else all visible ones; None on CPU."""
+    try:
+        gpus = [int(i) for i in args.gpus.split(",")] if args.gpus is not None else None
+    except ValueError:
+        raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
+    twice = sorted({i for i in gpus or () if gpus.count(i) > 1})
+    if twice:
+        raise UserError(f"--gpus {args.gpus} names GPU {twice[0]} more than once: list each GPU once")
+    if not torch.cuda.is_available():
+        if gpus is not None:
+            raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on "
+                            f"the CPU")
+        return None
+    gpus = gpus or list(range(torch.cuda.device_count()))
+    missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
+    if missing:
+        raise UserError(f"--gpus {args.gpus}: there is no GPU {missing[0]}, {torch.cuda.device_count()} are "
+                        f"visible (0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
+    return gpus
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher adds or reads its own way, checked before any process waits for another."""
+    if args.amp == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
+
+
+def start_process_group(args, rank, world_size, device, log):
+    """None: one process has no group to start, and nobody to agree with on preemption."""
+    return None
+
+
+def end_process_group():
+    """Frees the process group while Python is whole, which joins gloo's worker threads. Left to interpreter
+    shutdown, a worker still releasing a finished collective's tensors needs the GIL and aborts the process
+    ("terminate called without an active exception"). The group is freed only when nothing else holds it:
+    so the preemption handlers, which hold it, go first, and torch._dynamo is imported at the top (torch 2.14
+    keeps references to a group that exists when it is first imported, as DDP does)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def describe_processes(args, world_size, device, group):
+    """How this run is spread, for the first line of the log."""
+    if not args.gpus:
+        return f"one process, device {device.type}, plain model, global batch {args.batch_size} = 1 x {args.batch_size}"
+    return (f"one process, device {device.type}, DataParallel over GPUs {args.gpus}, global batch {args.batch_size} "
+            f"split over {len(args.gpus)} GPUs")
+
+
+def prepare_model(model, args, device, log):
+    """The model on the first GPU (DataParallel copies it to the others every step), or the CPU."""
+    if args.sync_bn:
+        log("--sync-bn: off (SyncBatchNorm needs DistributedDataParallel); BatchNorm statistics stay per GPU")
+    return model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+
+
+def build_optimizer(model, args, device, log):
+    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
+    optimizer = torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum,
+                                fused=device.type == "cuda")
+    return optimizer
+
+
+def setup_precision(model, optimizer, args, device, log):
+    """(autocast dtype or None, GradScaler) for --amp; the scaler scales the loss for fp16 only."""
+    amp_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
+    return amp_dtype, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+
+class Autocast(torch.nn.Module):
+    """Enters autocast inside forward. DataParallel runs each replica's forward in a thread of its own,
+    and autocast is thread-local: the caller's autocast does not reach the replicas (PyTorch AMP
+    examples, "DataParallel in a single process")."""
+
+    def __init__(self, module, dtype):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, images):
+        with torch.autocast(images.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            return self.module(images)
+
+
+def wrap_model(model, args, device, amp_dtype):
+    """(the model that trains, the model that evaluates): DataParallel over the GPUs for both. The checkpoint
+    keeps `model` itself, so no wrapper prefix gets into it."""
+    if device.type != "cuda":
+        return model, model
+    parallel = torch.nn.DataParallel(Autocast(model, amp_dtype), device_ids=args.gpus)
+    return parallel, parallel
+
+
+def train_step(run, images, target):
+    """One optimizer step on this process's batch. Returns the loss summed over the batch, and the outputs."""
+    with torch.autocast(images.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+        output = run.train_model(images)
+        loss = F.cross_entropy(output, target)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.scale(loss).backward()
+    run.scaler.step(run.optimizer)  # unscales, and skips the step if a gradient is inf/NaN
+    run.scaler.update()
+    return loss.detach().float() * target.numel(), output.detach().float()
+
+
+def reduce_tensor(tensor):
+    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
+    samples were split between ranks."""
+    tensor = tensor.clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def gather_objects(obj):
+    """obj from every rank, in rank order (one, without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def gather_rng_states():
+    """Every rank's random states, in rank order, for the checkpoint: the one process's, with every GPU's
+    generator, which DataParallel's replicas draw their dropout from."""
+    cuda_all = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return [{**rng_state(), "cuda_all": cuda_all}]
+
+
+def sync_buffers(model):
+    """BatchNorm statistics drift apart per rank; evaluate and save rank 0's, as a checkpoint holds."""
+    if dist.is_initialized():
+        for buf in model.buffers():
+            dist.broadcast(buf, 0)
+
+
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
+    return dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
+# =============================================================================================
+# The training flow. main is how this launcher runs main_worker; main_worker, RunState,
+# train_one_epoch and evaluate are the same text in every ImageNet sibling.
+# =============================================================================================
+def main():
+    args = parse_args()
+    try:
+        main_worker(args)
+    except UserError as e:
+        exit_bad_input(e, reporter=True)
+    finally:
+        end_process_group()
+
+
+def main_worker(args, local_index=None):
+    """One training process, from finding its peers to its last checkpoint. Returns the signal that
+    stopped it for preemption (its checkpoint written), or None."""
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
+    torch.backends.cudnn.benchmark = not args.deterministic
+    rank, local_rank, world_size, device = find_processes(args, local_index)
+    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
+
+    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
+    set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
+    group = start_process_group(args, rank, world_size, device, log)
+    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
+    preemption = Preemption(group)
+    num_classes, local_batch = len(train_set.classes), args.batch_size // world_size
+    log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
+        f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val images")
+
+    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
+    steps_per_epoch = len(train_batches)
+
+    model = prepare_model(model, args, device, log)
+    optimizer = build_optimizer(model, args, device, log)
+    amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
+    run = RunState(model, optimizer, scheduler, scaler, amp_dtype)
+    if ckpt:
+        run.load_state_dict(ckpt, args, rank, world_size, log)
+        log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
+        ckpt = None  # all of it is in place now: keep no second copy of the weights
+    run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
+
+    if args.benchmark:
+        benchmark(run, preemption, args, world_size, log)
+        return None
+    if args.evaluate:
+        val = evaluate(run.eval_model, val_batches, amp_dtype)
+        log(f"val: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
+            f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
+        return None
+
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
+    show_bar = rank == 0 and sys.stdout.isatty()
+    try:
+        while run.epoch < args.epochs:
+            epoch, started = run.epoch, time.time()
+            train_sampler.set_epoch(epoch)
+            train_sampler.start = run.step * local_batch
+            train = train_one_epoch(run, train_batches, preemption, args, log, show_bar)
+            if train is None:
+                run.save(args, rank, is_best=False)
+                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step {run.step}; "
+                    f"continue with --resume auto")
+                return preemption.signum
+            train_seconds = time.time() - started
+            sync_buffers(model)
+            val = evaluate(run.eval_model, val_batches, amp_dtype)
+            is_best = val["acc1"] > run.best_acc1
+            run.epoch, run.best_acc1 = epoch + 1, max(run.best_acc1, val["acc1"])
+            run.save(args, rank, is_best)
+            row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
+                   "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
+                   "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
+            if rank == 0:
+                write_epoch(row, writer, args.output_dir)
+            log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
+                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | {row['img_per_s']:.0f} img/s")
+            if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
+                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; "
+                    f"continue with --resume auto")
+                return preemption.signum
+    finally:
+        if writer:
+            writer.close()
+    return None
+
+
+class RunState:
+    """What a run carries from step to step and resumes: the model, optimizer, scheduler and loss scaler, where
+    it is (epoch, step within it), the best validation accuracy, the running sums of a preempted epoch, and the
+    random states. The one place that writes the checkpoint format and reads it back (README: Checkpoints)."""
+
+    def __init__(self, model, optimizer, scheduler, scaler, amp_dtype):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.amp_dtype, self.train_model, self.eval_model = amp_dtype, model, model
+        self.epoch, self.step, self.best_acc1, self.train_sums = 0, 0, 0.0, None
+
+    def save(self, args, rank, is_best):
+        """Every rank takes part (their random states are gathered); rank 0 writes."""
+        rng_states = gather_rng_states()
+        if rank == 0:
+            save_checkpoint({
+                "epoch": self.epoch, "step": self.step, "arch": args.arch, "state_dict": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "args": vars(args),
+                "world_size": len(rng_states), "rng_states": rng_states, "train_sums": self.train_sums,
+            }, is_best, args.output_dir)
+
+    def load_state_dict(self, ckpt, args, rank, world_size, log):
+        """Everything back from a checkpoint (load_checkpoint's); only the weights for --evaluate."""
+        self.model.load_state_dict(ckpt["state_dict"])
+        if args.evaluate:
+            return
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt["scaler"]:  # empty when saved without loss scaling: the scaler starts afresh
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.epoch, self.step, self.best_acc1 = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_acc1"]
+        self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
+        if ckpt.get("world_size") == world_size:
+            set_rng_state(ckpt["rng_states"][rank])
+        else:
+            log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
+                f"random states start afresh (results match, but not bit for bit)")
+
+
+def train_one_epoch(run, batches, preemption, args, log, show_bar):
+    """One pass over this rank's share of the data, from step run.step on. Returns the epoch's summary (loss,
+    acc1, count), or None when every rank agreed to stop: run.step and run.train_sums then say where."""
+    run.train_model.train()
+    device = next(run.model.parameters()).device
+    metrics = Metrics(device)
+    if run.train_sums is not None:
+        metrics.sums += run.train_sums.to(device)  # the part of this epoch trained before a preemption
+    steps_per_epoch, first_bad = run.step + len(batches), torch.full((), -1, device=device)
+    bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
+               disable=not show_bar)
+    last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[3].item()
+
+    def report(step):
+        nonlocal last_time, last_count
+        s = metrics.summary()
+        check_finite(s, first_bad, run.epoch)
+        now = time.time()
+        text = (f"loss {s['loss']:.4f} acc1 {s['acc1']:.2f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
+                f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.0f} img/s")
+        last_time, last_count = now, s["count"]
+        if show_bar:
+            bar.set_postfix_str(text)
+        else:
+            log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
+        return s
+
+    for step, (images, target) in enumerate(batches, start=run.step):
+        if preemption.agreed():
+            bar.close()
+            run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()
+            return None
+        loss_sum, output = train_step(run, images, target)
+        run.scheduler.step()
+        metrics.update(loss_sum, output, target)
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
+        bar.update()
+        if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
+            report(step + 1)
+    summary = report(steps_per_epoch)
+    bar.close()
+    run.step, run.train_sums = 0, None
+    return summary
+
+
+def check_finite(summary, first_bad, epoch):
+    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
+    if summary["nonfinite"]:
+        step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
+        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
+                        f"lower --lr, add --warmup-epochs, or check the data")
+
+
+def evaluate(model, batches, amp_dtype):
+    model.eval()
+    device = next(model.parameters()).device
+    metrics = Metrics(device)
+    with torch.inference_mode(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        for images, target in batches:
+            output = model(images).float()
+            metrics.update(F.cross_entropy(output, target, reduction="sum"), output, target)
+    return metrics.summary()
+
+
+# =============================================================================================
+# Appendix: the helpers every script of this repository carries, the same text in each
+# (scripts/sync_helpers.py keeps them so; tests/test_helpers_identical.py checks it)
+# =============================================================================================
+# --- Errors: bad input is one line and exit code 2, from the rank that can say it ----------
 class UserError(Exception):
     """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
 
@@ -111,61 +470,167 @@ def exit_bad_input(error, reporter):
     sys.exit(2)
 
 
-def set_seed(seed):
-    random.seed(seed)
-    torch.manual_seed(seed)
+# --- Processes: the process group on a rendezvous store, agreeing on preemption ------------
+class Preemption:
+    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
+    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
+
+    def __init__(self, group):
+        self.group, self.requested, self.signum, self.wait = group, False, None, None
+        self.flag = torch.zeros(1)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested, self.signum = True, signum
+
+    def agreed(self):
+        """Called by every rank at every step: True on all ranks at the same step."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.wait is not None:
+            self.wait()
+            stop = self.flag.item() > 0
+        self.flag.fill_(float(self.requested))
+        self.wait = None if stop else sum_async(self.flag, self.group)
+        return stop
+
+    def agreed_now(self):
+        """Blocking agreement, at the end of an epoch."""
+        if self.group is None:
+            return self.requested
+        if self.wait is not None:
+            self.wait()
+        self.flag.fill_(float(self.requested))
+        sum_async(self.flag, self.group)()
+        self.wait = None
+        return self.flag.item() > 0
 
 
-def rng_state():
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
+# --- Checks before training, and the model -------------------------------------------------
+def check_and_load(args, world_size, device):
+    """Everything that can fail on bad input, done before any process waits for another. Returns the
+    datasets, the model (the same initial weights on every rank), the checkpoint's path and the checkpoint."""
+    if args.arch not in MODEL_NAMES:
+        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
+                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
+    check_model(args)
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
+                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    check_launch_args(args, world_size, device)
+    if not args.dummy and not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
+    for split in () if args.dummy else ("train", "val"):
+        if not os.path.isdir(os.path.join(args.data, split)):
+            raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, "
+                            f"one folder per class")
+    ckpt_path = resume_path(args)
+    ckpt = load_checkpoint(ckpt_path, args.arch) if ckpt_path else None
+    train_set, val_set = build_datasets(args)
+    if len(train_set) < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: "
+                        f"lower -b")
+    set_seed(args.seed)
+    return train_set, val_set, build_model(args, len(train_set.classes)), ckpt_path, ckpt
 
 
-def set_rng_state(state):
-    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
-    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda_all"])
-    elif torch.cuda.is_available() and state["cuda"].numel():
-        torch.cuda.set_rng_state(state["cuda"])
+def check_model(args):
+    """Refuses, in one line and before any data is read, options the model does not take and a --crop-size it
+    cannot train at. One training forward pass of the model built on the meta device (shapes without memory or
+    arithmetic: 0.01-0.8 s) tells whether --crop-size fits; only when it does not, more passes find the size to
+    name: the only one a model built for one image size takes (vit_*, maxvit_t), or the smallest one the others
+    take (inception_v3 75, alexnet 63, vgg and convnext 32, densenet 29, ...)."""
+    try:
+        with torch.device("meta"):
+            model = build_model(args, 1000, load_weights=False).train()
+    except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
+        return  # they take any size
+
+    def failure(size):
+        """Why a training forward pass of 2 images of size x size fails; None if it works."""
+        try:
+            output = model(torch.empty(2, 3, size, size, device="meta"))
+        except NotImplementedError:  # an operation the meta device lacks: no verdict
+            return None
+        except (RuntimeError, AssertionError, ValueError) as e:  # shape checks
+            return str(e).strip().splitlines()[-1][:200]
+        return None if isinstance(output, torch.Tensor) else f"it returns {type(output).__name__}, not logits"
+
+    reason = failure(args.crop_size)
+    if reason is None:
+        return
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+    hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
+    fits = next((size for size in hints if size and failure(size) is None), None)
+    if fits is None:
+        raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason})")
+    if failure(fits + 1) is not None:
+        raise UserError(f"--arch {args.arch}{' --pretrained' if args.pretrained else ''} takes {fits}x{fits} images "
+                        f"only: use --crop-size {fits}")
+    low = fits - 1 if failure(fits - 1) else 0  # the smallest size that fits lies in (low, fits]; often it is the hint
+    while fits - low > 1:
+        middle = (low + fits) // 2
+        low, fits = (low, middle) if failure(middle) is None else (middle, fits)
+    if args.crop_size < fits:
+        raise UserError(f"--crop-size {args.crop_size} is too small for --arch {args.arch}: use at least {fits}")
+    raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
 
 
-def reduce_tensor(tensor):
-    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
-    samples were split between ranks."""
-    tensor = tensor.clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor
+def build_model(args, num_classes, load_weights=True):
+    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
+    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning);
+    load_weights=False builds the model for them without loading them (check_model)."""
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
+    options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
+    if args.arch in ("googlenet", "inception_v3"):
+        # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
+        # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
+        options.update(aux_logits=False, init_weights=True, transform_input=True)
+    if weights is not None and args.arch.startswith("vit_"):  # a ViT takes one image size: the one of its weights
+        options["image_size"] = weights.meta["min_size"][0]  # (518 for vit_h_14's)
+    try:
+        model = torchvision.models.get_model(args.arch, **options)
+    except TypeError as e:
+        raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
+    if weights is not None and load_weights:
+        try:
+            pretrained = weights.get_state_dict(progress=False)
+        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
+            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
+                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
+        own = model.state_dict()  # the auxiliary classifiers' weights have no place in it
+        model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape},
+                              strict=False)
+    return model
 
 
-def accuracy(output, target, topk=(1, 5)):
-    """How many samples have their target among the top-k outputs, for each k (a device tensor)."""
-    maxk = min(max(topk), output.size(1))
-    hits = output.topk(maxk, dim=1).indices.eq(target[:, None])
-    return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk])
+def param_groups(model, args):
+    if not args.no_wd_norm_bias:
+        return [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+    norm_types = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            (no_decay if isinstance(module, norm_types) or name == "bias" else decay).append(param)
+    return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class Metrics:
-    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses): updating
-    them never waits for the GPU; `summary` reduces them over all ranks when a number is wanted."""
+def lr_factor(step, steps_per_epoch, args):
+    """Multiplier of --lr after `step` optimizer steps: linear warmup, then step or cosine decay."""
+    epoch = step / steps_per_epoch
+    if epoch < args.warmup_epochs:
+        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
+    if args.lr_schedule == "cosine":
+        progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 0.1 ** (int(epoch) // args.lr_step)
 
-    def __init__(self, device):
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
 
-    def update(self, loss_sum, output, target):
-        loss_sum = loss_sum.detach().double().reshape(1)
-        self.sums += torch.cat([loss_sum, accuracy(output.detach(), target).double(),
-                                torch.full((1,), target.numel(), dtype=torch.float64, device=target.device),
-                                (~torch.isfinite(loss_sum)).double()])
-
-    def summary(self):
-        loss, c1, c5, n, bad = reduce_tensor(self.sums).tolist()
-        n_ = max(n, 1)
-        return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_,
-                "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
+# --- Data: decoding and cropping in loader workers, samplers, the device prefetcher --------
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class SyntheticImages(Dataset):
@@ -240,7 +705,8 @@ class RandomResizedCropFlip:
         fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
         top, left, height, width, flip = self.params(*(image.shape[1:] if fast else v2.functional.get_size(image)))
         if fast:
-            crop = image[:, top:top + height, left:left + width].unsqueeze(0).contiguous(memory_format=torch.channels_last)
+            crop = image[:, top:top + height, left:left + width].unsqueeze(0)
+            crop = crop.contiguous(memory_format=torch.channels_last)
             image = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
         else:
             image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
@@ -273,6 +739,19 @@ def build_datasets(args):
     if sets[0].classes != sets[1].classes:
         raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")
     return sets
+
+
+def build_loaders(args, train_set, val_set, rank, world_size, device):
+    """(train sampler, train batches, validation batches): loaders whose workers decode and crop, behind
+    Prefetchers that put the batches on the device. Each rank takes its share of both sets."""
+    loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
+                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate)
+    train_data = SeededSamples(train_set)
+    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
+    train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
+    return (train_sampler, Prefetcher(train_loader, device, args.channels_last),
+            Prefetcher(val_loader, device, args.channels_last))
 
 
 class TrainSampler(DistributedSampler):
@@ -361,95 +840,80 @@ class Prefetcher:
             yield batch
 
 
-def check_model(args):
-    """Refuses, in one line and before any data is read, options the model does not take and a --crop-size it
-    cannot train at. One training forward pass of the model built on the meta device (shapes without memory or
-    arithmetic: 0.01-0.8 s) tells whether --crop-size fits; only when it does not, more passes find the size to
-    name: the only one a model built for one image size takes (vit_*, maxvit_t), or the smallest one the others
-    take (inception_v3 75, alexnet 63, vgg and convnext 32, densenet 29, ...)."""
-    try:
-        with torch.device("meta"):
-            model = build_model(args, 1000, load_weights=False).train()
-    except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
-        return  # they take any size
-
-    def failure(size):
-        """Why a training forward pass of 2 images of size x size fails; None if it works."""
-        try:
-            output = model(torch.empty(2, 3, size, size, device="meta"))
-        except NotImplementedError:  # an operation the meta device lacks: no verdict
-            return None
-        except (RuntimeError, AssertionError, ValueError) as e:  # shape checks
-            return str(e).strip().splitlines()[-1][:200]
-        return None if isinstance(output, torch.Tensor) else f"it returns {type(output).__name__}, not logits"
-
-    reason = failure(args.crop_size)
-    if reason is None:
-        return
-    weights = torchvision.models.get_model_weights(args.arch).DEFAULT
-    hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
-    fits = next((size for size in hints if size and failure(size) is None), None)
-    if fits is None:
-        raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason})")
-    if failure(fits + 1) is not None:
-        raise UserError(f"--arch {args.arch}{' --pretrained' if args.pretrained else ''} takes {fits}x{fits} images "
-                        f"only: use --crop-size {fits}")
-    low = fits - 1 if failure(fits - 1) else 0  # the smallest size that fits lies in (low, fits]; often it is the hint
-    while fits - low > 1:
-        middle = (low + fits) // 2
-        low, fits = (low, middle) if failure(middle) is None else (middle, fits)
-    if args.crop_size < fits:
-        raise UserError(f"--crop-size {args.crop_size} is too small for --arch {args.arch}: use at least {fits}")
-    raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")  # replaced by scripts/sync_helpers.py
+# --- Metrics and logs ----------------------------------------------------------------------
+def accuracy(output, target, topk=(1, 5)):
+    """How many samples have their target among the top-k outputs, for each k (a device tensor)."""
+    maxk = min(max(topk), output.size(1))
+    hits = output.topk(maxk, dim=1).indices.eq(target[:, None])
+    return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk])
 
 
-def build_model(args, num_classes, load_weights=True):
-    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
-    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning);
-    load_weights=False builds the model for them without loading them (check_model)."""
-    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
-    options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
-    if args.arch in ("googlenet", "inception_v3"):
-        # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
-        # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
-        options.update(aux_logits=False, init_weights=True, transform_input=True)
-    if weights is not None and args.arch.startswith("vit_"):  # a ViT takes one image size: the one of its weights
-        options["image_size"] = weights.meta["min_size"][0]  # (518 for vit_h_14's)
-    try:
-        model = torchvision.models.get_model(args.arch, **options)
-    except TypeError as e:
-        raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
-    if weights is not None and load_weights:
-        try:
-            pretrained = weights.get_state_dict(progress=False)
-        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
-            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
-                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
-        own = model.state_dict()  # the auxiliary classifiers' weights have no place in it
-        model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape},
-                              strict=False)
-    return model
+class Metrics:
+    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses): updating
+    them never waits for the GPU; `summary` reduces them over all ranks when a number is wanted."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+
+    def update(self, loss_sum, output, target):
+        loss_sum = loss_sum.detach().double().reshape(1)
+        self.sums += torch.cat([loss_sum, accuracy(output.detach(), target).double(),
+                                torch.full((1,), target.numel(), dtype=torch.float64, device=target.device),
+                                (~torch.isfinite(loss_sum)).double()])
+
+    def summary(self):
+        loss, c1, c5, n, bad = reduce_tensor(self.sums).tolist()
+        n_ = max(n, 1)
+        return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_,
+                "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
 
 
-def param_groups(model, args):
-    if not args.no_wd_norm_bias:
-        return [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
-    norm_types = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
-    decay, no_decay = [], []
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            (no_decay if isinstance(module, norm_types) or name == "bias" else decay).append(param)
-    return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def write_epoch(row, writer, output_dir):
+    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items():
+        if key != "epoch":
+            writer.add_scalar(key, value, row["epoch"])
+    writer.flush()
 
 
-def lr_factor(step, steps_per_epoch, args):
-    """Multiplier of --lr after `step` optimizer steps: linear warmup, then step or cosine decay."""
-    epoch = step / steps_per_epoch
-    if epoch < args.warmup_epochs:
-        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
-    if args.lr_schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)))
-    return 0.1 ** (int(epoch) // args.lr_step)
+def benchmark(run, preemption, args, world_size, log):
+    """--benchmark: the model, the step and the all-reduce without the input pipeline, on synthetic batches
+    already on the device: this hardware's training speed."""
+    device, local_batch = next(run.model.parameters()).device, args.batch_size // world_size
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    images = torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device)
+    batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
+    for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
+        started = time.time()
+        train = train_one_epoch(run, [batch] * steps, preemption, args, log, False)
+        if train is None:
+            return
+    log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "
+        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}")
+
+
+# --- Checkpoint files and random states ----------------------------------------------------
+def set_seed(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(state):
+    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
+    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda_all"])
+    elif torch.cuda.is_available() and state["cuda"].numel():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def atomic_write(path, write):
@@ -504,7 +968,8 @@ def load_checkpoint(path, arch):
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
     if ckpt.get("arch", arch) != arch:
-        raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another checkpoint")
+        raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another "
+                        f"checkpoint")
     consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
     return ckpt
 
@@ -520,313 +985,6 @@ def check_same_checkpoint(views):
                          + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
         raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
                         f"must be on a filesystem that every node shares and sees up to date")
-
-
-def check_and_load(args, world_size, device):
-    """Everything that can fail on bad input, done before any process waits for another. Returns
-    the datasets, the model (the same initial weights on every rank) and the checkpoint, if any."""
-    if args.arch not in MODEL_NAMES:
-        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
-                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
-    check_model(args)
-    if args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
-                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
-    if args.amp == "fp16" and device.type != "cuda":
-        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
-    if not args.dummy and not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
-    for split in () if args.dummy else ("train", "val"):
-        if not os.path.isdir(os.path.join(args.data, split)):
-            raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, one folder per class")
-    ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, args.arch) if ckpt_path else None
-    train_set, val_set = build_datasets(args)
-    if len(train_set) < args.batch_size and not args.evaluate:
-        raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: lower -b")
-    set_seed(args.seed)
-    return train_set, val_set, build_model(args, len(train_set.classes)), ckpt_path, ckpt
-
-
-def write_epoch(row, writer, output_dir):
-    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    for key, value in row.items():
-        if key != "epoch":
-            writer.add_scalar(key, value, row["epoch"])
-    writer.flush()
-
-
-# ---------------------------------------------------------------------------------------------
-# The launcher-specific part: one process, the GPUs it drives, DataParallel
-# ---------------------------------------------------------------------------------------------
-def find_processes(args):
-    """(rank, local_rank, world_size, device): always one process, on the first of its GPUs or the CPU."""
-    args.gpus = select_gpus(args)
-    if not args.gpus:
-        return 0, 0, 1, torch.device("cpu")
-    torch.cuda.set_device(args.gpus[0])  # outputs are gathered and the loss computed there
-    return 0, 0, 1, torch.device("cuda", args.gpus[0])
-
-
-def select_gpus(args):
-    """The GPU ids to use: --gpus, else all visible ones; None on CPU."""
-    try:
-        gpus = [int(i) for i in args.gpus.split(",")] if args.gpus is not None else None
-    except ValueError:
-        raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
-    twice = sorted({i for i in gpus or () if gpus.count(i) > 1})
-    if twice:
-        raise UserError(f"--gpus {args.gpus} names GPU {twice[0]} more than once: list each GPU once")
-    if not torch.cuda.is_available():
-        if gpus is not None:
-            raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on the CPU")
-        return None
-    gpus = gpus or list(range(torch.cuda.device_count()))
-    missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
-    if missing:
-        raise UserError(f"--gpus {args.gpus}: there is no GPU {missing[0]}, {torch.cuda.device_count()} are visible "
-                        f"(0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
-    return gpus
-
-
-
-class Autocast(torch.nn.Module):
-    """Enters autocast inside forward. DataParallel runs each replica's forward in a thread of its own,
-    and autocast is thread-local: the caller's autocast does not reach the replicas (PyTorch AMP
-    examples, "DataParallel in a single process")."""
-
-    def __init__(self, module, dtype):
-        super().__init__()
-        self.module, self.dtype = module, dtype
-
-    def forward(self, images):
-        with torch.autocast(images.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-            return self.module(images)
-
-
-def wrap_model(model, device, args, amp_dtype):
-    """DataParallel over the GPUs; the checkpoint keeps `model` itself, so no wrapper prefix gets into it."""
-    if device.type != "cuda":
-        return model
-    return torch.nn.DataParallel(Autocast(model, amp_dtype), device_ids=args.gpus)
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 set a flag. One process has nobody to agree with: the next step reads it."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.requested = True
-
-    def agreed(self):
-        return self.requested
-
-    agreed_now = agreed
-
-
-# ---------------------------------------------------------------------------------------------
-def main():
-    args = parse_args()
-    try:
-        main_worker(args)
-    except UserError as e:
-        exit_bad_input(e, reporter=True)
-
-
-def main_worker(args):
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
-    torch.backends.cudnn.benchmark = not args.deterministic
-    rank, local_rank, world_size, device = find_processes(args)
-    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
-
-    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
-    num_classes = len(train_set.classes)
-    set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
-
-    preemption = Preemption()
-    local_batch = args.batch_size // world_size
-    log(f"{os.path.basename(__file__)}: one process, device {device.type}, "
-        f"{f'DataParallel over GPUs {args.gpus}' if args.gpus else 'plain model'}, global batch {args.batch_size} "
-        f"{f'split over {len(args.gpus)} GPUs' if args.gpus else f'= {world_size} x {local_batch}'}, "
-        f"{args.arch}, {num_classes} classes, {len(train_set)} train / {len(val_set)} val images")
-
-    if args.sync_bn:
-        log("--sync-bn: off (SyncBatchNorm needs DistributedDataParallel); BatchNorm statistics stay per GPU")
-    model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
-    amp_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
-    scaler = torch.amp.GradScaler("cuda", enabled=args.amp == "fp16")
-
-    train_data = SeededSamples(train_set)
-    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
-    loader_args = dict(batch_size=local_batch, num_workers=args.workers, pin_memory=device.type == "cuda",
-                       persistent_workers=args.workers > 0, collate_fn=collate)
-    train_batches = Prefetcher(DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args),
-                               device, args.channels_last)
-    val_batches = Prefetcher(DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args),
-                             device, args.channels_last)
-    steps_per_epoch = len(train_batches)
-
-    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
-    optimizer = torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
-    start_epoch, start_step, best_acc1, train_sums = 0, 0, 0.0, None
-    if ckpt:
-        model.load_state_dict(ckpt["state_dict"])
-        if not args.evaluate:
-            optimizer.load_state_dict(ckpt["optimizer"])
-            scheduler.load_state_dict(ckpt["scheduler"])
-            if ckpt["scaler"]:  # empty when saved without fp16 loss scaling
-                scaler.load_state_dict(ckpt["scaler"])
-            start_epoch, start_step, best_acc1 = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_acc1"]
-            train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
-            if ckpt.get("world_size") == world_size:
-                set_rng_state(ckpt["rng_states"][rank])
-            else:
-                log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
-                    f"random states start afresh (results match, but not bit for bit)")
-        log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
-        ckpt = None  # all of it is in place now: keep no second copy of the weights
-    dp_model = wrap_model(model, device, args, amp_dtype)
-
-    if args.benchmark:  # the model, the step and the all-reduce without the input pipeline: this hardware's speed
-        memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-        batch = (torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device).contiguous(memory_format=memory_format),
-                 torch.randint(num_classes, (local_batch,), device=device))
-        for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
-            started = time.time()
-            train = train_one_epoch(dp_model, [batch] * steps, optimizer, scheduler, scaler, amp_dtype, preemption, 0, 0,
-                                    steps, None, args, log, False)
-        log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} processes, "
-            f"global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}")
-        return
-
-    if args.evaluate:
-        val = evaluate(dp_model, val_batches, amp_dtype)
-        log(f"val: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
-            f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
-        return
-
-    def checkpoint(epoch, step, sums, is_best):
-        # DataParallel's replicas draw dropout from their own GPU's generator: keep every GPU's state
-        states = [{**rng_state(), "cuda_all": torch.cuda.get_rng_state_all() if device.type == "cuda" else []}]
-        if rank == 0:
-            save_checkpoint({"epoch": epoch, "step": step, "arch": args.arch, "state_dict": model.state_dict(),
-                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "scaler": scaler.state_dict(), "best_acc1": best_acc1, "args": vars(args),
-                             "world_size": world_size, "rng_states": states, "train_sums": sums}, is_best, args.output_dir)
-
-    if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=start_epoch) if rank == 0 else None
-    show_bar = rank == 0 and sys.stdout.isatty()
-    try:
-        for epoch in range(start_epoch, args.epochs):
-            train_sampler.set_epoch(epoch)
-            train_sampler.start = start_step * local_batch
-            started = time.time()
-            train = train_one_epoch(dp_model, train_batches, optimizer, scheduler, scaler, amp_dtype, preemption,
-                                    epoch, start_step, steps_per_epoch, train_sums, args, log, show_bar)
-            start_step, train_sums = 0, None
-            if train["preempted_at"] is not None:
-                checkpoint(epoch, train["preempted_at"], train["sums"], False)
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step "
-                    f"{train['preempted_at']}; continue with --resume auto")
-                return
-            train_seconds = time.time() - started
-            val = evaluate(dp_model, val_batches, amp_dtype)
-            is_best = val["acc1"] > best_acc1
-            best_acc1 = max(best_acc1, val["acc1"])
-            checkpoint(epoch + 1, 0, None, is_best)
-            row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
-                   "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
-                   "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
-            if rank == 0:
-                write_epoch(row, writer, args.output_dir)
-            log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
-                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | {row['img_per_s']:.0f} img/s")
-            if preemption.agreed_now() and epoch + 1 < args.epochs:  # all ranks take part
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; continue with --resume auto")
-                return
-    finally:
-        if writer:
-            writer.close()
-
-
-def train_one_epoch(model, batches, optimizer, scheduler, scaler, amp_dtype, preemption, epoch, start_step,
-                    steps_per_epoch, sums, args, log, show_bar):
-    """One pass over this rank's share of the data. Returns the epoch's summary (loss, acc1, count), or
-    the step at which every rank agreed to stop and the running sums so far."""
-    model.train()
-    device = next(model.parameters()).device
-    metrics = Metrics(device)
-    if sums is not None:
-        metrics.sums += sums.to(device)  # the part of this epoch trained before a preemption
-    first_bad = torch.full((), -1, device=device)
-    bar = tqdm(total=steps_per_epoch, initial=start_step, desc=f"Epoch {epoch}", dynamic_ncols=True, disable=not show_bar)
-    last_time, last_count = time.time(), 0 if sums is None else sums[3].item()
-
-    def report(step):
-        nonlocal last_time, last_count
-        s = metrics.summary()
-        check_finite(s, first_bad, epoch)
-        now = time.time()
-        text = (f"loss {s['loss']:.4f} acc1 {s['acc1']:.2f} lr {optimizer.param_groups[0]['lr']:.4g} "
-                f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.0f} img/s")
-        last_time, last_count = now, s["count"]
-        if show_bar:
-            bar.set_postfix_str(text)
-        else:
-            log(f"Epoch {epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
-        return s
-
-    for step, (images, target) in enumerate(batches, start=start_step):
-        if preemption.agreed():
-            bar.close()
-            return {"preempted_at": step, "sums": reduce_tensor(metrics.sums).cpu()}
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            output = model(images)
-            loss = F.cross_entropy(output, target)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        metrics.update(loss.float() * target.numel(), output.float(), target)
-        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
-        bar.update()
-        if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
-            report(step + 1)
-    summary = report(steps_per_epoch)
-    bar.close()
-    return {"preempted_at": None, **summary}
-
-
-def check_finite(summary, first_bad, epoch):
-    if summary["nonfinite"]:
-        bad = torch.where(first_bad < 0, torch.iinfo(torch.int64).max, first_bad).reshape(1)
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MIN)
-        raise UserError(f"loss became NaN/inf at epoch {epoch} step {int(bad)}; stopped without saving it: "
-                        f"lower --lr, add --warmup-epochs, or check the data")
-
-
-def evaluate(model, batches, amp_dtype):
-    model.eval()
-    device = next(model.parameters()).device
-    metrics = Metrics(device)
-    with torch.inference_mode(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        for images, target in batches:
-            output = model(images).float()
-            metrics.update(F.cross_entropy(output, target, reduction="sum"), output, target)
-    return metrics.summary()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""Copies the shared helpers from distributed.py into every sibling ImageNet script.
+"""Keeps what the scripts share byte-identical with distributed.py, the reference.
 
-The scripts stand alone, so each carries its own copy of the helpers; this keeps the copies
-byte-identical after a fix (tests/test_helpers_identical.py fails until it is run).
+The scripts stand alone, so each carries its own copy of the shared code; this copies the reference's
+text into every sibling after a fix (tests/test_helpers_identical.py fails until it is run). Shared is
+every top-level function, class and constant a sibling defines under a name the reference also uses,
+except the names the sibling does its own way (OWN below): so the training flow (main_worker, RunState,
+train_one_epoch, evaluate) and the appendix are compared, and so is every part of the launcher
+interface that a sibling takes over unchanged.
 
     python scripts/sync_helpers.py          # rewrite the siblings in place
     python scripts/sync_helpers.py --check  # only list what differs (exit 1 if anything does)
@@ -12,21 +16,43 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "distributed.py"
-SHARED = ["IMAGENET_MEAN", "IMAGENET_STD", "UserError", "RankError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state",
-          "reduce_tensor", "accuracy", "Metrics", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "TrainSampler",
-          "SeededSamples", "ShardSampler", "Prefetcher", "check_model", "build_model", "param_groups", "lr_factor", "atomic_write",
-          "save_checkpoint", "resume_path", "load_checkpoint", "check_same_checkpoint", "check_and_load", "write_epoch"]
-# helpers every script that starts a torch.distributed process group carries as well
-PROCESS_GROUP = ["join_process_group", "end_process_group"]
-# helpers a launcher has to do its own way: Horovod sums with hvd.allreduce, not torch.distributed
-OWN_WAY = {"horovod_distributed.py": {"reduce_tensor"}, "apex_distributed.py": {"collate"}}
-# a script for another task than ImageNet carries the task-independent helpers, and the launcher part of
-# the launcher it shares with the reference
-OTHER_TASKS = {"unet3d_apex.py": ["UserError", "RankError", "exit_bad_input", "set_seed", "rng_state", "set_rng_state", "reduce_tensor",
-                                  "TrainSampler", "SeededSamples", "ShardSampler", "atomic_write", "save_checkpoint",
-                                  "resume_path", "check_same_checkpoint", "write_epoch", "find_processes",
-                                  "start_process_group", "join_process_group", "wrap_model", "sync_buffers",
-                                  "gather_objects", "Preemption", "end_process_group", "main"]}
+# the launcher interface: every ImageNet sibling defines these, its own way or with the reference's text
+INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process_group", "end_process_group",
+             "describe_processes", "prepare_model", "build_optimizer", "setup_precision", "wrap_model", "train_step",
+             "reduce_tensor", "gather_objects", "gather_rng_states", "sync_buffers", "sum_async", "main"]
+# the training flow, the same text in every ImageNet sibling
+FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"]
+# the appendix
+APPENDIX = ["UserError", "RankError", "exit_bad_input", "join_process_group", "Preemption", "check_and_load",
+            "check_model", "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN", "IMAGENET_STD",
+            "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "build_loaders",
+            "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher", "accuracy", "Metrics", "write_epoch",
+            "benchmark", "set_seed", "rng_state", "set_rng_state", "atomic_write", "save_checkpoint", "resume_path",
+            "load_checkpoint", "check_same_checkpoint"]
+SHARED = INTERFACE + FLOW + APPENDIX
+# what each sibling does its own way (its launcher part); every other name it shares with the reference is
+# the reference's text
+OWN = {
+    "multiprocessing_distributed.py": {"parse_args", "find_processes", "start_process_group", "main"},
+    "distributed_slurm_main.py": {"parse_args", "find_processes", "start_process_group", "main"},
+    "dataparallel.py": {"parse_args", "find_processes", "start_process_group", "describe_processes", "prepare_model",
+                        "wrap_model", "gather_rng_states", "main"},
+    "horovod_distributed.py": {"parse_args", "find_processes", "check_launch_args", "start_process_group",
+                               "end_process_group", "describe_processes", "prepare_model", "build_optimizer",
+                               "wrap_model", "train_step", "reduce_tensor", "gather_objects", "sync_buffers", "sum_async",
+                               "main"},
+    "apex_distributed.py": {"parse_args", "check_launch_args", "build_optimizer", "setup_precision", "collate"},
+    # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
+    "unet3d_apex.py": {"parse_args", "check_launch_args", "describe_processes", "prepare_model", "build_optimizer",
+                       "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
+                       "check_finite", "evaluate", "check_and_load", "build_datasets", "build_loaders",
+                       "load_checkpoint", "benchmark", "Metrics", "collate"},
+}
+# shared names a sibling has no use for: no process group of torch.distributed's
+NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
+               "unet3d_apex.py": {"check_model", "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN",
+                                  "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip",
+                                  "accuracy", "MODEL_NAMES"}}
 
 
 def definitions(source):
@@ -50,18 +76,20 @@ def siblings():
 
 
 def differences(script):
-    """(helper, reference text, script text or None) for every shared helper that differs."""
+    """(name, reference text, script text or None) for every shared name the script lacks or has another text
+    for; and (name, None, script text) for a name declared its own that is the reference's text after all."""
     ref_source, source = (ROOT / REFERENCE).read_text(), (ROOT / script).read_text()
     ref, own = definitions(ref_source), definitions(source)
+    mine = OWN.get(script, set())
+    required = set(SHARED) - NOT_CARRIED.get(script, set())
     out = []
-    shared = SHARED + (PROCESS_GROUP if "process_group(" in source else [])
-    for name in OTHER_TASKS.get(script, shared):
-        if name in OWN_WAY.get(script, ()):
-            continue
+    for name in sorted(set(ref) & (set(own) | required)):
         text = ref_source[slice(*ref[name])]
-        mine = source[slice(*own[name])] if name in own else None
-        if mine != text:
-            out.append((name, text, mine))
+        theirs = source[slice(*own[name])] if name in own else None
+        if name in mine and theirs == text:
+            out.append((name, None, theirs))
+        elif name not in mine and theirs != text and (theirs is not None or name in required):
+            out.append((name, text, theirs))
     return out
 
 
@@ -69,7 +97,9 @@ def sync(script):
     source = (ROOT / script).read_text()
     for name, text, mine in differences(script):
         if mine is None:
-            raise SystemExit(f"{script} lacks the shared helper {name}: add it by hand where it belongs")
+            raise SystemExit(f"{script} lacks {name}: add it by hand where it belongs")
+        if text is None:
+            raise SystemExit(f"{script}: {name} is the reference's text: take it out of OWN in {__file__}")
         start, end = definitions(source)[name]
         source = source[:start] + text + source[end:]
     (ROOT / script).write_text(source)
