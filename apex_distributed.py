@@ -39,7 +39,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch._dynamo  # noqa: F401 (imported before any process group exists, or the group outlives its end: see end_process_group)
+import torch._dynamo  # noqa: F401 (import before any process group, or it keeps the group alive and exit aborts)
 import torch.nn.functional as F
 import torchvision
 from PIL import Image
@@ -234,8 +234,9 @@ class MasterWeights(torch.amp.GradScaler):
         by_id = {id(p): master for p, master in self.masters.values()}
         for group in optimizer.param_groups:  # apex rewrote the optimizer's groups the same way
             group["params"] = [by_id.get(id(p), p) for p in group["params"]]
-        model.register_state_dict_post_hook(self._masters_out)
-        model.register_load_state_dict_pre_hook(self._masters_in)
+        # (functions, not bound methods: torch marks the hooks it is given with an attribute)
+        model.register_state_dict_post_hook(lambda module, state, prefix, meta: self._masters_out(state, prefix))
+        model.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: self._masters_in(state, prefix))
 
     def step(self, optimizer, *args, **kwargs):
         """The model's half gradients (all-reduced, still loss-scaled) become the masters' fp32 gradients in
@@ -251,11 +252,11 @@ class MasterWeights(torch.amp.GradScaler):
             torch._foreach_copy_([p for p, _ in self.masters.values()], [m for _, m in self.masters.values()])
         return result
 
-    def _masters_out(self, module, state, prefix, local_metadata):
+    def _masters_out(self, state, prefix):
         state.update({prefix + name: master.detach() for name, (_, master) in self.masters.items()})
 
     @torch.no_grad()
-    def _masters_in(self, module, state, prefix, *_):
+    def _masters_in(self, state, prefix):
         for name, (_, master) in self.masters.items():
             if prefix + name in state:
                 master.copy_(state[prefix + name])

@@ -37,7 +37,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch._dynamo  # noqa: F401 (imported before any process group exists, or the group outlives its end: see end_process_group)
+import torch._dynamo  # noqa: F401 (import before any process group, or it keeps the group alive and exit aborts)
 import torch.nn.functional as F
 import torchvision
 from PIL import Image

@@ -16,8 +16,16 @@ exact whole-volume Dice/IoU, TensorBoard, checkpoints, preemption.
     python unet3d_apex.py --synthetic
 
 Differs from distributed.py: volumes and random patches instead of ImageFolder, a 3D U-Net, Adam +
-MultiStepLR (per epoch), and evaluation of whole volumes tiled by patches, with Dice/IoU summed over
-all voxels of all validation volumes. The launcher part, checkpoints and preemption are the same.
+MultiStepLR (per epoch), --amp as one switch (fp16 with a GradScaler on CUDA, bf16 on CPU), and
+evaluation of whole volumes tiled by patches, with Dice/IoU summed over all voxels of all validation
+volumes. How the processes start, the process group, DDP, checkpoints and preemption are distributed.py's
+(the same text); the training flow has its shape (RunState, train_one_epoch, evaluate) with the U-Net's
+loss and metrics.
+
+Read it top to bottom: the command line; the launcher part (how the processes find each other, the
+process group, wrapping the model, one optimizer step, sums over processes); the training flow
+(main -> main_worker -> train_one_epoch / evaluate); the task (volumes and patches, the U-Net, its loss
+and metrics, checks and checkpoints); an appendix of the helpers every script carries.
 """
 import argparse
 import contextlib
@@ -56,45 +64,783 @@ try:
 except ImportError:
     nibabel = None
 
-EXTENSIONS = (".nii.gz", ".npy", ".tif", ".tiff", ".nii")  # .nii.gz before .nii: the longest match wins
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("data", nargs="?", metavar="DIR", help="folder with train/images, train/labels, val/images, val/labels (not needed with --synthetic)")
-    p.add_argument("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")
-    p.add_argument("--synthetic-size", type=int, default=40, metavar="N", help="with --synthetic: training volumes (validation gets N/4)")
-    p.add_argument("--synthetic-shape", type=int, nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"), help="with --synthetic: volume size")
-    p.add_argument("--patch-size", type=int, nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
-                   help="training patch and evaluation tile; each must divide by 2**(depth-1); smaller volumes are zero-padded")
-    p.add_argument("--patches-per-volume", type=int, default=4, help="random patches drawn from each training volume per epoch")
-    p.add_argument("--base-channels", type=int, default=16, help="channels of the first U-Net level, doubled at every level below")
-    p.add_argument("--depth", type=int, default=4, help="U-Net levels (depth-1 poolings)")
-    p.add_argument("--norm", choices=("batch", "group"), default="batch", help="normalization layer after every convolution")
-    p.add_argument("-j", "--workers", type=int, default=4, help="data loading processes per training process")
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("-b", "--batch-size", type=int, default=4, help="global batch of patches over all processes; must divide by the world size")
-    p.add_argument("--eval-batch", type=int, default=2, help="tiles per forward pass when evaluating whole volumes")
-    p.add_argument("--lr", type=float, default=2e-4, help="Adam learning rate")
-    p.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    p.add_argument("--milestones", type=int, nargs="*", default=(60, 80), help="epochs at which MultiStepLR multiplies the lr by --gamma")
-    p.add_argument("--gamma", type=float, default=0.1)
-    p.add_argument("--amp", action="store_true", help="autocast: fp16 with a GradScaler on CUDA, bf16 on CPU")
-    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
-    p.add_argument("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
-    p.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
-    p.add_argument("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
-    p.add_argument("--seed", type=int, default=0, help="same seed, same data and world-size-independent patches")
-    p.add_argument("--deterministic", action="store_true", help="use deterministic algorithms where they exist (slower)")
-    p.add_argument("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    p.add_argument("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for a peer")
+    add = p.add_argument
+    add("data", nargs="?", metavar="DIR",
+        help="folder with train/images, train/labels, val/images, val/labels (not needed with --synthetic)")
+    add("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")
+    add("--synthetic-size", type=int, default=40, metavar="N",
+        help="with --synthetic: training volumes (validation gets N/4)")
+    add("--synthetic-shape", type=int, nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"),
+        help="with --synthetic: volume size")
+    add("--patch-size", type=int, nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
+        help="training patch and evaluation tile; each must divide by 2**(depth-1); smaller volumes are zero-padded")
+    add("--patches-per-volume", type=int, default=4, help="random patches drawn from each training volume per epoch")
+    add("--base-channels", type=int, default=16,
+        help="channels of the first U-Net level, doubled at every level below")
+    add("--depth", type=int, default=4, help="U-Net levels (depth-1 poolings)")
+    add("--norm", choices=("batch", "group"), default="batch", help="normalization layer after every convolution")
+    add("-j", "--workers", type=int, default=4, help="data loading processes per training process")
+    add("--epochs", type=int, default=100)
+    add("-b", "--batch-size", type=int, default=4,
+        help="global batch of patches over all processes; must divide by the world size")
+    add("--eval-batch", type=int, default=2, help="tiles per forward pass when evaluating whole volumes")
+    add("--lr", type=float, default=2e-4, help="Adam learning rate")
+    add("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
+    add("--milestones", type=int, nargs="*", default=(60, 80),
+        help="epochs at which MultiStepLR multiplies the lr by --gamma")
+    add("--gamma", type=float, default=0.1)
+    add("--amp", action="store_true", help="autocast: fp16 with a GradScaler on CUDA, bf16 on CPU")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--resume", default="", metavar="PATH|auto",
+        help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
+    add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
+    add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
+    add("--seed", type=int, default=0, help="same seed, same data and world-size-independent patches")
+    add("--deterministic", action="store_true", help="use deterministic algorithms where they exist (slower)")
+    add("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
+    add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
+    add("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for a peer")
     return p.parse_args(argv)
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers shared byte-for-byte with distributed.py (tests/test_helpers_identical.py)
-# ---------------------------------------------------------------------------------------------
+# =============================================================================================
+# The launcher part: torchrun, the process group, DDP, as in distributed.py (the same text); the batch
+# description, the model's preparation, Adam, --amp and the step are the U-Net's. Every sibling defines
+# these names, with these parameters, its own way: find_processes, check_launch_args, start_process_group,
+# end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
+# wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
+# =============================================================================================
+def find_processes(args, local_index):
+    """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
+    without it. local_index: the process's index on its node, where the script starts the processes itself."""
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    if not torch.cuda.is_available():
+        return rank, local_rank, world_size, torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise RankError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        f"start at most that many processes per node (--nproc_per_node)")
+    torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
+    return rank, local_rank, world_size, torch.device("cuda", local_rank)
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher adds or reads its own way, checked before any process waits for another: none
+    can be wrong here (on CPU, bf16 autocast stands in for --amp's fp16)."""
+
+
+def start_process_group(args, rank, world_size, device, log):
+    """Starts the process group (none for one process). Returns the group the processes agree on preemption
+    in, None without one."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
+            "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # torchrun's store
+    return join_process_group(args, store, rank, world_size, device)
+
+
+def end_process_group():
+    """Frees the process group while Python is whole, which joins gloo's worker threads. Left to interpreter
+    shutdown, a worker still releasing a finished collective's tensors needs the GIL and aborts the process
+    ("terminate called without an active exception"). The group is freed only when nothing else holds it:
+    so the preemption handlers, which hold it, go first, and torch._dynamo is imported at the top (torch 2.14
+    keeps references to a group that exists when it is first imported, as DDP does)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def describe_processes(args, world_size, device, group):
+    """How this run is spread, for the first line of the log; the global batch is one of patches."""
+    return (f"world size {world_size}, device {device.type}, backend {dist.get_backend() if group else 'none'}, "
+            f"global batch {args.batch_size} = {world_size} x {args.batch_size // world_size} patches of "
+            f"{shape_text(args.patch_size)}")
+
+
+def prepare_model(model, args, device, log):
+    """The model on this process's device; with --sync-bn, BatchNorm layers that compute their statistics over
+    the whole global batch: with the 1-2 patches a GPU holds, per-process statistics are noise."""
+    if args.sync_bn and device.type == "cuda":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn:
+        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    return model.to(device)
+
+
+def build_optimizer(model, args, device, log):
+    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
+    return torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            fused=device.type == "cuda")
+
+
+def setup_precision(model, optimizer, args, device, log):
+    """(autocast dtype or None, GradScaler) for --amp: fp16 with loss scaling on CUDA; bf16, which needs no
+    loss scaling, on CPU, where fp16 autocast and its GradScaler do not run."""
+    amp_dtype = (torch.float16 if device.type == "cuda" else torch.bfloat16) if args.amp else None
+    if args.amp and device.type != "cuda":
+        log("--amp: bf16 autocast on CPU (fp16 and its GradScaler need CUDA)")
+    return amp_dtype, torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+
+
+def wrap_model(model, args, device, amp_dtype):
+    """(the model that trains, the model that evaluates). DDP all-reduces the gradients during backward(); it
+    would also broadcast buffers before each forward, a collective that evaluation, where ranks may have one
+    batch more or less, must not call: it evaluates the plain model."""
+    if not dist.is_initialized():
+        return model, model
+    no_sync = {}
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        # SyncBatchNorm keeps the statistics equal on every rank: broadcasting them before each forward is waste.
+        # torch 2.14 renamed the option (and warns about the old name); older releases know only the old one
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   **no_sync), model
+
+
+def train_step(run, images, labels):
+    """One optimizer step on this process's batch of patches. Returns the loss summed over the batch (float64,
+    as SegMetrics sums it), and the logits."""
+    target = labels[:, None].float()
+    with torch.autocast(images.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+        logits = run.train_model(images)
+    loss = bce_dice_loss(logits.float(), target)  # outside autocast: the Dice sums run over every voxel
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scaler.scale(loss).backward()
+    run.scaler.step(run.optimizer)  # unscales, and skips the step if a gradient is inf/NaN
+    run.scaler.update()
+    return loss.detach().double() * target.shape[0], logits.detach().float()
+
+
+def reduce_tensor(tensor):
+    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
+    samples were split between ranks."""
+    tensor = tensor.clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def gather_objects(obj):
+    """obj from every rank, in rank order (one, without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def gather_rng_states():
+    """Every rank's random states, in rank order, for the checkpoint (every rank takes part)."""
+    return gather_objects(rng_state())
+
+
+def sync_buffers(model):
+    """BatchNorm statistics drift apart per rank; evaluate and save rank 0's, as a checkpoint holds."""
+    if dist.is_initialized():
+        for buf in model.buffers():
+            dist.broadcast(buf, 0)
+
+
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
+    return dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
+# =============================================================================================
+# The training flow, in distributed.py's shape: main (its text) -> main_worker -> train_one_epoch /
+# evaluate, with RunState holding the run. The U-Net's own: patches to train on, whole volumes to
+# evaluate, a MultiStepLR stepped per epoch, and Dice to pick the best checkpoint by.
+# =============================================================================================
+def main():
+    args = parse_args()
+    try:
+        main_worker(args)
+    except UserError as e:  # one line per node: each node may see its own problem
+        exit_bad_input(e, reporter=int(os.environ.get("LOCAL_RANK", 0)) == 0)
+    finally:
+        end_process_group()
+
+
+def main_worker(args, local_index=None):
+    """One training process, from finding its peers to its last checkpoint. Returns the signal that
+    stopped it for preemption (its checkpoint written), or None."""
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # 3D pooling backward has no deterministic CUDA kernel
+    torch.backends.cudnn.benchmark = not args.deterministic
+    rank, local_rank, world_size, device = find_processes(args, local_index)
+    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
+
+    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, rank, world_size, device)
+    set_seed(args.seed + rank)  # check_and_load seeded the same initial weights everywhere; from here, per rank
+    group = start_process_group(args, rank, world_size, device, log)
+    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
+    preemption = Preemption(group)
+    local_batch, patch = args.batch_size // world_size, tuple(args.patch_size)
+    log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, 3D U-Net (base "
+        f"{args.base_channels}, depth {args.depth}, {args.norm} norm, {sum(p.numel() for p in model.parameters())} "
+        f"parameters), {train_set.channels} input channel(s), {len(train_set)} train / {len(val_set)} val volumes")
+    note_small_volumes(train_set, patch, log)
+
+    train_sampler, train_batches, val_volumes = build_loaders(args, train_set, val_set, rank, world_size, device)
+    model = prepare_model(model, args, device, log)
+    optimizer = build_optimizer(model, args, device, log)
+    amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(args.milestones), gamma=args.gamma)
+    run = RunState(model, optimizer, scheduler, scaler, amp_dtype, model_config(args, train_set.channels))
+    if ckpt:
+        run.load_state_dict(ckpt, args, rank, world_size, log)
+        log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
+        ckpt = None  # all of it is in place now: keep no second copy of the weights
+    run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
+
+    if args.evaluate:
+        val, _ = evaluate(run.eval_model, val_volumes, patch, args.eval_batch, amp_dtype)
+        log(f"val: loss {val['loss']:.6f} dice {val['dice']:.6f} iou {val['iou']:.6f} dice_per_volume "
+            f"{val['dice_per_volume']:.6f} (intersection {val['intersection']}, predicted {val['predicted']}, "
+            f"true {val['true']}, union {val['union']}, volumes {val['volumes']})")
+        return None
+
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
+    show_bar = rank == 0 and sys.stdout.isatty()
+    try:
+        while run.epoch < args.epochs:
+            epoch, started = run.epoch, time.time()
+            train_sampler.set_epoch(epoch)
+            train_sampler.start = run.step * local_batch
+            train = train_one_epoch(run, train_batches, preemption, args, log, show_bar)
+            if train is None:
+                run.save(args, rank, is_best=False)
+                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step {run.step}; "
+                    f"continue with --resume auto")
+                return preemption.signum
+            train_seconds, lr = time.time() - started, optimizer.param_groups[0]["lr"]
+            scheduler.step()  # per epoch, after it: the row keeps the rate the epoch trained with
+            sync_buffers(model)
+            val, slices = evaluate(run.eval_model, val_volumes, patch, args.eval_batch, amp_dtype)
+            is_best = val["dice"] > run.best_dice
+            run.epoch, run.best_dice = epoch + 1, max(run.best_dice, val["dice"])
+            run.save(args, rank, is_best)
+            row = {"epoch": epoch, "train_loss": train["loss"], "train_dice": train["dice"], "val_loss": val["loss"],
+                   "val_dice": val["dice"], "val_iou": val["iou"], "val_dice_per_volume": val["dice_per_volume"],
+                   "lr": lr, "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
+            if rank == 0:
+                for name, picture in zip(("val/input", "val/ground_truth", "val/prediction"), slices):
+                    writer.add_image(name, picture, epoch, dataformats="HW")
+                write_epoch(row, writer, args.output_dir)
+            log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
+                f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
+                f"{row['img_per_s']:.1f} img/s")
+            if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
+                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; "
+                    f"continue with --resume auto")
+                return preemption.signum
+    finally:
+        if writer:
+            writer.close()
+    return None
+
+
+class RunState:
+    """What a run carries from step to step and resumes: the model, optimizer, scheduler and loss scaler, where
+    it is (epoch, step within it), the best validation Dice, the running sums of a preempted epoch, and the
+    random states. The one place that writes the checkpoint format and reads it back (README: unet3d_apex.py).
+    `config` is the U-Net's shape (model_config): a checkpoint resumes only into the same one."""
+
+    def __init__(self, model, optimizer, scheduler, scaler, amp_dtype, config):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.amp_dtype, self.train_model, self.eval_model, self.config = amp_dtype, model, model, config
+        # below any Dice: the first epoch's model is the best so far, even one that predicts nothing
+        self.epoch, self.step, self.best_dice, self.train_sums = 0, 0, -1.0, None
+
+    def save(self, args, rank, is_best):
+        """Every rank takes part (their random states are gathered); rank 0 writes."""
+        rng_states = gather_rng_states()
+        if rank == 0:
+            save_checkpoint({
+                "epoch": self.epoch, "step": self.step, "arch": "unet3d", "model": self.config,
+                "state_dict": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "best_dice": self.best_dice, "args": vars(args), "world_size": len(rng_states),
+                "rng_states": rng_states, "train_sums": self.train_sums,
+            }, is_best, args.output_dir)
+
+    def load_state_dict(self, ckpt, args, rank, world_size, log):
+        """Everything back from a checkpoint (load_checkpoint's); only the weights for --evaluate."""
+        self.model.load_state_dict(ckpt["state_dict"])
+        if args.evaluate:
+            return
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt["scaler"]:  # empty when saved without fp16 loss scaling: the scaler starts afresh
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.epoch, self.step, self.best_dice = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_dice"]
+        self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
+        if ckpt.get("world_size") == world_size:
+            set_rng_state(ckpt["rng_states"][rank])
+        else:
+            log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
+                f"random states start afresh (results match, but not bit for bit)")
+
+
+def train_one_epoch(run, batches, preemption, args, log, show_bar):
+    """One pass over this rank's share of the patches, from step run.step on. Returns the epoch's summary (loss,
+    dice, count), or None when every rank agreed to stop: run.step and run.train_sums then say where."""
+    run.train_model.train()
+    device = next(run.model.parameters()).device
+    metrics = SegMetrics(device)
+    if run.train_sums is not None:
+        metrics.sums += run.train_sums.to(device)  # the part of this epoch trained before a preemption
+    steps_per_epoch, first_bad = run.step + len(batches), torch.full((), -1, device=device)
+    bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
+               disable=not show_bar)
+    last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[1].item()
+
+    def report(step):
+        nonlocal last_time, last_count
+        s = metrics.summary()
+        check_finite(s, first_bad, run.epoch)
+        now = time.time()
+        text = (f"loss {s['loss']:.4f} dice {s['dice']:.4f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
+                f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.1f} img/s")
+        last_time, last_count = now, s["count"]
+        if show_bar:
+            bar.set_postfix_str(text)
+        else:
+            log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
+        return s
+
+    for step, (images, labels) in enumerate(batches, start=run.step):
+        if preemption.agreed():
+            bar.close()
+            run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()
+            return None
+        loss_sum, logits = train_step(run, images, labels)
+        metrics.update(loss_sum, logits, labels[:, None])
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
+        bar.update()
+        if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
+            report(step + 1)
+    summary = report(steps_per_epoch)
+    bar.close()
+    run.step, run.train_sums = 0, None
+    return summary
+
+
+def check_finite(summary, first_bad, epoch):
+    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
+    if summary["nonfinite"]:
+        step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
+        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
+                        f"lower --lr, or check the data")
+
+
+def predict_volume(model, image, patch, tiles_per_pass):
+    """Logits (1×D×H×W) for a whole C×D×H×W volume: zero-pad its far borders up to a multiple of the
+    patch, run the model on the non-overlapping tiles, crop the padding off again."""
+    size = image.shape[1:]
+    padded = pad_to(image, [math.ceil(s / p) * p for s, p in zip(size, patch)])
+    logits = torch.empty((1, *padded.shape[1:]), device=image.device)
+    windows = [tuple(slice(c, c + p) for c, p in zip(corner, patch))
+               for corner in itertools.product(*(range(0, s, p) for s, p in zip(padded.shape[1:], patch)))]
+    for i in range(0, len(windows), tiles_per_pass):
+        group = windows[i:i + tiles_per_pass]
+        output = model(torch.stack([padded[(slice(None), *w)] for w in group])).float()
+        for w, tile in zip(group, output):
+            logits[(slice(None), *w)] = tile
+    return logits[(slice(None), *(slice(0, s) for s in size))]
+
+
+def evaluate(model, volumes, patch, tiles_per_pass, amp_dtype):
+    """Whole volumes, each on one rank. Sums (loss, per-volume Dice, volumes, intersection, predicted,
+    true, union) are all-reduced once: the result equals a single-process evaluation. Also returns
+    the middle slice of the first volume's input, mask and prediction, for TensorBoard."""
+    model.eval()
+    device = next(model.parameters()).device
+    sums, slices = torch.zeros(7, dtype=torch.float64, device=device), None
+    with torch.inference_mode(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        for image, label in volumes:
+            logits = predict_volume(model, image[0], patch, tiles_per_pass)
+            target = label.float()
+            counts = overlap(logits, target)
+            sizes = counts[1] + counts[2]
+            dice = torch.where(sizes > 0, 2 * counts[0] / sizes.clamp_min(1), 1.0)  # empty mask, empty prediction: 1
+            loss = bce_dice_loss(logits, target).double()
+            sums += torch.cat([torch.stack([loss, dice, torch.ones_like(dice)]), counts])
+            if slices is None:
+                middle = image.shape[2] // 2
+                picture = image[0, 0, middle].float()
+                slices = [(picture - picture.min()) / (picture.max() - picture.min()).clamp_min(1e-6),
+                          target[0, middle], (logits[0, middle] > 0).float()]
+    loss, dice, n, inter, pred, true, union = reduce_tensor(sums).tolist()
+    return ({"loss": loss / max(n, 1), "dice": 2 * inter / (pred + true) if pred + true else 1.0,
+             "iou": inter / union if union else 1.0, "dice_per_volume": dice / max(n, 1), "volumes": int(n),
+             "intersection": int(inter), "predicted": int(pred), "true": int(true), "union": int(union)},
+            [s.cpu() for s in slices] if slices else [])
+
+
+# =============================================================================================
+# The task: checks before training and the checkpoint's model, volumes and their patches, the 3D U-Net,
+# its loss and metrics. Another task than distributed.py's ImageNet: these are this script's alone.
+# =============================================================================================
+# --- Checks before training, and the checkpoint ----------------------------------------------
+def check_and_load(args, rank, world_size, device):
+    """Everything that can fail on bad input, done before any process waits for another. Returns
+    the datasets, the model (the same initial weights on every rank), the checkpoint's path and the
+    checkpoint, if any. rank: each rank reads its own share of the label masks."""
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
+                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    check_launch_args(args, world_size, device)
+    if args.depth < 1 or any(p % 2 ** (args.depth - 1) or p < 1 for p in args.patch_size):
+        raise UserError(f"--patch-size {' '.join(map(str, args.patch_size))}: with --depth {args.depth} each side "
+                        f"must be a positive multiple of {2 ** (args.depth - 1)} (2**(depth-1))")
+    if not args.synthetic and not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, "
+                        f"or --synthetic")
+    for split, kind in () if args.synthetic else itertools.product(("train", "val"), ("images", "labels")):
+        if not os.path.isdir(os.path.join(args.data, split, kind)):
+            raise UserError(f"{os.path.join(args.data, split, kind)} not found: DIR must hold train/images, "
+                            f"train/labels, val/images and val/labels")
+    train_set, val_set = build_datasets(args)
+    config = model_config(args, train_set.channels)
+    ckpt_path = resume_path(args)
+    ckpt = load_checkpoint(ckpt_path, config) if ckpt_path else None
+    if len(train_set) * args.patches_per_volume < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training volumes x {args.patches_per_volume} patches are fewer than one "
+                        f"global batch of {args.batch_size}: lower -b or raise --patches-per-volume")
+    for dataset in (train_set, val_set):
+        if isinstance(dataset, VolumeFolder):
+            dataset.check_labels(rank, world_size)
+    set_seed(args.seed)
+    return train_set, val_set, UNet3D(**config), ckpt_path, ckpt
+
+
+def load_checkpoint(path, config):
+    """The checkpoint, on the CPU: random states must reach set_rng_state as CPU tensors, and a copy kept on
+    the GPU would take a model's worth of its memory for the whole run."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
+                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":
+        raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")
+    if ckpt["model"] != config:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ckpt["model"].items() if k != "in_channels")
+        raise UserError(f"{path} holds a U-Net with {ckpt['model']}, not {config}: pass {flags}, or another checkpoint")
+    consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
+    return ckpt
+
+
+# --- Volumes and patches, loaders, the device prefetcher ----------------------------------
+EXTENSIONS = (".nii.gz", ".npy", ".tif", ".tiff", ".nii")  # .nii.gz before .nii: the longest match wins
+
+
+def split_name(filename):
+    """(stem, extension) for a supported volume file, (filename, None) otherwise."""
+    ext = next((e for e in EXTENSIONS if filename.lower().endswith(e)), None)
+    return (filename[: -len(ext)], ext) if ext else (filename, None)
+
+
+def read_volume(path, shape_only=False):
+    """The array in a volume file (.npy memory-mapped), or only its shape (read from the header)."""
+    ext = split_name(path)[1]
+    if ext in (".tif", ".tiff") and tifffile is None:
+        raise UserError(f"{path}: reading .tif/.tiff needs tifffile (pip install tifffile), "
+                        f"or convert the volumes to .npy")
+    if ext in (".nii", ".nii.gz") and nibabel is None:
+        raise UserError(f"{path}: reading .nii/.nii.gz needs nibabel (pip install nibabel), "
+                        f"or convert the volumes to .npy")
+    try:
+        if ext == ".npy":
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        elif ext in (".tif", ".tiff"):
+            if shape_only:
+                with tifffile.TiffFile(path) as tif:
+                    return tuple(tif.series[0].shape)
+            array = tifffile.imread(path)
+        else:  # NIfTI arrays are taken as stored (x, y, z): keep images and labels in the same format
+            volume = nibabel.load(path)
+            array = volume if shape_only else np.asanyarray(volume.dataobj)
+    except Exception as e:  # truncated, corrupt, not what its name says: all mean the same to the user
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise RankError(f"cannot read volume {path} ({reason}): replace or remove the file") from None
+    return tuple(array.shape) if shape_only else array
+
+
+def volume_tensors(image, label):
+    """float32 C×D×H×W image, standardized per channel over the whole volume; uint8 D×H×W mask."""
+    image = torch.from_numpy(np.array(image, dtype=np.float32))
+    image = image[None] if image.dim() == 3 else image
+    mean, std = image.mean(dim=(1, 2, 3), keepdim=True), image.std(dim=(1, 2, 3), keepdim=True)
+    label = torch.from_numpy(np.array(label)).reshape(image.shape[1:])
+    return (image - mean) / std.clamp_min(1e-6), (label != 0).to(torch.uint8)
+
+
+def shape_text(shape):
+    return "×".join(map(str, shape))
+
+
+class VolumeFolder(Dataset):
+    """root/images/NAME.ext and root/labels/NAME.ext paired by NAME; item i is one whole volume."""
+
+    def __init__(self, root):
+        self.root, self.pairs, self.shapes = root, [], []
+        files = {kind: self._volume_files(os.path.join(root, kind)) for kind in ("images", "labels")}
+        for stem in sorted(files["images"].keys() | files["labels"].keys()):
+            image, label = (os.path.join(root, kind, files[kind].get(stem, stem)) for kind in ("images", "labels"))
+            if stem not in files["labels"]:
+                raise UserError(f"{image} has no label: add {label}.* (labels are paired by file name) "
+                                f"or remove the image")
+            if stem not in files["images"]:
+                raise UserError(f"{label} has no image: add {image}.* (images are paired by file name) "
+                                f"or remove the label")
+            self.pairs.append((image, label))
+        for image_path, label_path in self.pairs:
+            image, label = read_volume(image_path, shape_only=True), read_volume(label_path, shape_only=True)
+            if len(image) not in (3, 4):
+                raise UserError(f"{image_path} has shape {shape_text(image)}: volumes must be D×H×W or C×D×H×W")
+            if label != image[-3:] and label != (1, *image[-3:]):
+                raise UserError(f"shape mismatch: {image_path} is {shape_text(image)}, {label_path} is "
+                                f"{shape_text(label)}; a label must have its image's D×H×W")
+            self.shapes.append(image)
+        channels = {1 if len(s) == 3 else s[0] for s in self.shapes}
+        if len(channels) > 1:
+            raise UserError(f"{root}/images: volumes with {sorted(channels)} channels; all must have the same number")
+        self.channels = channels.pop()
+
+    @staticmethod
+    def _volume_files(folder):
+        """stem -> file name of every volume in `folder`."""
+        names = sorted(f for f in os.listdir(folder) if not f.startswith("."))
+        if not names:
+            raise UserError(f"{folder} is empty: put the volumes there ({', '.join(EXTENSIONS)}), "
+                            f"labels under the same names")
+        files = {}
+        for name in names:
+            stem, ext = split_name(name)
+            if ext is None:
+                raise UserError(f"{os.path.join(folder, name)}: unsupported file type; use {', '.join(EXTENSIONS)}")
+            if stem in files:
+                raise UserError(f"{folder} holds both {files[stem]} and {name}: keep one volume per name")
+            files[stem] = name
+        return files
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, index):
+        image_path, label_path = self.pairs[index]
+        return volume_tensors(read_volume(image_path), read_volume(label_path))
+
+    def check_labels(self, rank, world_size):
+        """Reads this rank's share of the masks: each one is read by one rank only."""
+        for _, path in self.pairs[rank::world_size]:
+            values = np.unique(read_volume(path))
+            if not np.isin(values, (0, 1)).all():
+                raise RankError(f"{path} is not a binary mask (values {', '.join(map(str, values[:6]))}"
+                                f"{' ...' if len(values) > 6 else ''}): labels must hold only 0 and 1")
+
+
+class SyntheticVolumes(Dataset):
+    """1 to 3 random ellipsoids of random brightness in noise, and their mask: learnable, and volume i
+    is the same on every call, rank and run."""
+
+    def __init__(self, size, shape, offset=0):
+        self.size, self.offset, self.channels = size, offset, 1
+        self.shapes = [tuple(shape)] * size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        g = torch.Generator().manual_seed(self.offset + index)
+        shape = self.shapes[0]
+        grid = torch.stack(torch.meshgrid(*(torch.arange(s, dtype=torch.float32) for s in shape), indexing="ij"))
+        size = torch.tensor(shape, dtype=torch.float32).view(3, 1, 1, 1)
+        image, mask = torch.randn(shape, generator=g), torch.zeros(shape, dtype=torch.bool)
+        for _ in range(int(torch.randint(1, 4, (), generator=g))):
+            centre = (torch.rand(3, 1, 1, 1, generator=g) * 0.6 + 0.2) * size
+            radius = (torch.rand(3, 1, 1, 1, generator=g) * 0.15 + 0.12) * size
+            inside = (((grid - centre) / radius) ** 2).sum(0) <= 1
+            image += inside * (1.0 + 0.5 * torch.rand((), generator=g))
+            mask |= inside
+        return volume_tensors(image.numpy(), mask.numpy())
+
+
+def pad_to(tensor, size):
+    """Zero-pads the last three dimensions at their far end up to at least `size`."""
+    pads = [max(s - t, 0) for t, s in zip(tensor.shape[-3:], size)]
+    return F.pad(tensor, [x for p in reversed(pads) for x in (0, p)]) if any(pads) else tensor
+
+
+class RandomPatches(Dataset):
+    """Sample i is a random patch of volume i % len(volumes), flipped at random along each axis. The
+    randomness comes from the torch generator, which SeededSamples seeds per sample."""
+
+    def __init__(self, volumes, patch_size, per_volume):
+        self.volumes, self.patch_size, self.per_volume = volumes, tuple(patch_size), per_volume
+
+    def __len__(self):
+        return len(self.volumes) * self.per_volume
+
+    def __getitem__(self, index):
+        image, label = self.volumes[index % len(self.volumes)]
+        image, label = pad_to(image, self.patch_size), pad_to(label, self.patch_size)
+        starts = [int(torch.randint(s - p + 1, ())) for s, p in zip(label.shape, self.patch_size)]
+        window = tuple(slice(s, s + p) for s, p in zip(starts, self.patch_size))
+        image, label = image[(slice(None), *window)], label[window]
+        flips = [axis for axis in range(3) if torch.rand(()) < 0.5]
+        return image.flip([a + 1 for a in flips]).contiguous(), label.flip(flips).contiguous()
+
+
+def note_small_volumes(volumes, patch, log):
+    """Says how many volumes are smaller than a patch somewhere: padded, not refused, but worth knowing."""
+    small = sum(any(s < p for s, p in zip(shape[-3:], patch)) for shape in volumes.shapes)
+    if small:
+        log(f"note: {small} training volume(s) are smaller than --patch-size {shape_text(patch)} along some axis; "
+            f"their patches are zero-padded at the far end (label 0)")
+
+
+def build_datasets(args):
+    if args.synthetic:
+        return (SyntheticVolumes(args.synthetic_size, args.synthetic_shape),
+                SyntheticVolumes(max(args.synthetic_size // 4, 1), args.synthetic_shape, offset=10**9))
+    train, val = (VolumeFolder(os.path.join(args.data, split)) for split in ("train", "val"))
+    if train.channels != val.channels:
+        raise UserError(f"{args.data}: train volumes have {train.channels} channels, val volumes {val.channels}; "
+                        f"they must match")
+    return train, val
+
+
+def build_loaders(args, train_set, val_set, rank, world_size, device):
+    """(train sampler, train batches, validation volumes): each rank takes its share of the patches and of
+    the whole volumes, which DevicePrefetchers put on the device."""
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    train_data = SeededSamples(RandomPatches(train_set, args.patch_size, args.patches_per_volume))
+    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
+    train_loader = DataLoader(train_data, batch_size=args.batch_size // world_size, sampler=train_sampler,
+                              drop_last=True, **loader_args)
+    # one whole volume per batch: volumes differ in shape
+    val_loader = DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
+    return train_sampler, DevicePrefetcher(train_loader, device), DevicePrefetcher(val_loader, device)
+
+
+class DevicePrefetcher:
+    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side
+    CUDA stream on GPU). Volumes arrive standardized: nothing left to convert."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _to_device(self, batch):
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            return [t.to(self.device, non_blocking=True) for t in batch]
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        upcoming = next(batches, None)
+        upcoming = upcoming and self._to_device(upcoming)
+        while upcoming:
+            if self.stream is not None:
+                main_stream = torch.cuda.current_stream(self.device)
+                main_stream.wait_stream(self.stream)
+                for t in upcoming:
+                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
+            batch, upcoming = upcoming, next(batches, None)
+            upcoming = upcoming and self._to_device(upcoming)
+            yield batch
+
+
+# --- The 3D U-Net, its loss and metrics ------------------------------------------------------
+def conv_block(cin, cout, norm):
+    def normalization(c):
+        return nn.BatchNorm3d(c) if norm == "batch" else nn.GroupNorm(math.gcd(8, c), c)
+    return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True),
+                         nn.Conv3d(cout, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True))
+
+
+class UNet3D(nn.Module):
+    """Çiçek et al. 2016: at each of `depth` levels two 3×3×3 convolutions; max-pooling down,
+    transposed convolution up, skip connections across; one logit per voxel (sigmoid outside)."""
+
+    def __init__(self, in_channels, base_channels=16, depth=4, norm="batch"):
+        super().__init__()
+        widths = [base_channels * 2**i for i in range(depth)]
+        self.encoders = nn.ModuleList(conv_block(cin, cout, norm) for cin, cout in zip([in_channels] + widths, widths))
+        self.upsamplers = nn.ModuleList(nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2)
+                                        for i in range(depth - 1))
+        self.decoders = nn.ModuleList(conv_block(2 * widths[i], widths[i], norm) for i in range(depth - 1))
+        self.head = nn.Conv3d(widths[0], 1, 1)
+
+    def forward(self, x):
+        skips = []
+        for i, encoder in enumerate(self.encoders):
+            x = encoder(F.max_pool3d(x, 2) if i else x)
+            skips.append(x)
+        for i in reversed(range(len(self.decoders))):
+            x = self.decoders[i](torch.cat([skips[i], self.upsamplers[i](x)], dim=1))
+        return self.head(x)
+
+
+def model_config(args, in_channels):
+    return {"in_channels": in_channels, "base_channels": args.base_channels, "depth": args.depth, "norm": args.norm}
+
+
+def bce_dice_loss(logits, target, smooth=1.0):
+    """BCEDiceLoss: binary cross-entropy per voxel plus 1 - soft Dice of the probabilities over the batch."""
+    prob = torch.sigmoid(logits)
+    dice = (2 * (prob * target).sum() + smooth) / (prob.sum() + target.sum() + smooth)
+    return F.binary_cross_entropy_with_logits(logits, target) + 1 - dice
+
+
+def overlap(logits, target):
+    """(intersection, predicted, true, union) voxel counts, the prediction being logit > 0 (p > 0.5)."""
+    pred, true = logits > 0, target > 0.5
+    return torch.stack([(pred & true).sum(), pred.sum(), true.sum(), (pred | true).sum()]).double()
+
+
+class SegMetrics:
+    """Running sums on the device (loss, patches, intersection, predicted, true, non-finite losses);
+    `summary` reduces them over all ranks, so Dice is over every voxel of every rank."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+
+    def update(self, loss_sum, logits, target):
+        """loss_sum: the batch's loss summed over its patches (train_step's); target: N×1×D×H×W masks."""
+        loss_sum = loss_sum.detach().double().reshape(1)
+        n = torch.full((1,), target.shape[0], dtype=torch.float64, device=target.device)
+        bad = (~torch.isfinite(loss_sum)).double()
+        self.sums += torch.cat([loss_sum, n, overlap(logits.detach(), target)[:3], bad])
+
+    def summary(self):
+        loss, n, inter, pred, true, bad = reduce_tensor(self.sums).tolist()
+        return {"loss": loss / max(n, 1), "dice": 2 * inter / max(pred + true, 1), "count": int(n),
+                "nonfinite": int(bad)}
+
+
+# =============================================================================================
+# Appendix: the helpers every script of this repository carries, the same text in each
+# (scripts/sync_helpers.py keeps them so; tests/test_helpers_identical.py checks it)
+# =============================================================================================
+# --- Errors: bad input is one line and exit code 2, from the rank that can say it ----------
 class UserError(Exception):
     """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
 
@@ -119,36 +865,73 @@ def exit_bad_input(error, reporter):
     sys.exit(2)
 
 
-def set_seed(seed):
-    random.seed(seed)
-    torch.manual_seed(seed)
+# --- Processes: the process group on a rendezvous store, agreeing on preemption ------------
+def join_process_group(args, store, rank, world_size, device):
+    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
+    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
+    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
+    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
+    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    try:
+        if "nccl" in backend and device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(device)
+            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+            store.add(key, 1)
+            if store.add("gpu-check/arrived", 1) == world_size:
+                store.set("gpu-check/done", "1")
+            store.wait(["gpu-check/done"])
+            if store.add(key, 0) > 1:
+                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU "
+                                f"({gpu.name}, cuda:{device.index} here), which NCCL does not allow: start one "
+                                f"process per GPU (Slurm: --gpus-per-task=1), or use --dist-backend gloo")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=args.dist_timeout),
+                                device_id=device if device.type == "cuda" else None)
+        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
+        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
+                        f"a rank elsewhere may have stopped (see the output of every node), or was never started"
+                        ) from None
 
 
-def rng_state():
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
+class Preemption:
+    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
+    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
+
+    def __init__(self, group):
+        self.group, self.requested, self.signum, self.wait = group, False, None, None
+        self.flag = torch.zeros(1)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested, self.signum = True, signum
+
+    def agreed(self):
+        """Called by every rank at every step: True on all ranks at the same step."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.wait is not None:
+            self.wait()
+            stop = self.flag.item() > 0
+        self.flag.fill_(float(self.requested))
+        self.wait = None if stop else sum_async(self.flag, self.group)
+        return stop
+
+    def agreed_now(self):
+        """Blocking agreement, at the end of an epoch."""
+        if self.group is None:
+            return self.requested
+        if self.wait is not None:
+            self.wait()
+        self.flag.fill_(float(self.requested))
+        sum_async(self.flag, self.group)()
+        self.wait = None
+        return self.flag.item() > 0
 
 
-def set_rng_state(state):
-    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
-    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda_all"])
-    elif torch.cuda.is_available() and state["cuda"].numel():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def reduce_tensor(tensor):
-    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
-    samples were split between ranks."""
-    tensor = tensor.clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor
-
-
+# --- Data: samplers that split the samples between ranks -----------------------------------
 class TrainSampler(DistributedSampler):
     """DistributedSampler that can start mid-epoch (resume) and hands out (index, seed) pairs. The
     seed fixes each sample's augmentation from (--seed, epoch, index) alone, so training does not
@@ -193,6 +976,39 @@ class ShardSampler(Sampler):
 
     def __len__(self):
         return len(self.indices)
+
+
+# --- Logs ------------------------------------------------------------------------------------
+def write_epoch(row, writer, output_dir):
+    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items():
+        if key != "epoch":
+            writer.add_scalar(key, value, row["epoch"])
+    writer.flush()
+
+
+# --- Checkpoint files and random states ----------------------------------------------------
+def set_seed(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(state):
+    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
+    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda_all"])
+    elif torch.cuda.is_available() and state["cuda"].numel():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def atomic_write(path, write):
@@ -245,691 +1061,6 @@ def check_same_checkpoint(views):
                          + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
         raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
                         f"must be on a filesystem that every node shares and sees up to date")
-
-
-def write_epoch(row, writer, output_dir):
-    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    for key, value in row.items():
-        if key != "epoch":
-            writer.add_scalar(key, value, row["epoch"])
-    writer.flush()
-
-
-# ---------------------------------------------------------------------------------------------
-# Volumes, patches, model, loss and metrics
-# ---------------------------------------------------------------------------------------------
-def split_name(filename):
-    """(stem, extension) for a supported volume file, (filename, None) otherwise."""
-    ext = next((e for e in EXTENSIONS if filename.lower().endswith(e)), None)
-    return (filename[: -len(ext)], ext) if ext else (filename, None)
-
-
-def read_volume(path, shape_only=False):
-    """The array in a volume file (.npy memory-mapped), or only its shape (read from the header)."""
-    ext = split_name(path)[1]
-    if ext in (".tif", ".tiff") and tifffile is None:
-        raise UserError(f"{path}: reading .tif/.tiff needs tifffile (pip install tifffile), or convert the volumes to .npy")
-    if ext in (".nii", ".nii.gz") and nibabel is None:
-        raise UserError(f"{path}: reading .nii/.nii.gz needs nibabel (pip install nibabel), or convert the volumes to .npy")
-    try:
-        if ext == ".npy":
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-        elif ext in (".tif", ".tiff"):
-            if shape_only:
-                with tifffile.TiffFile(path) as tif:
-                    return tuple(tif.series[0].shape)
-            array = tifffile.imread(path)
-        else:  # NIfTI arrays are taken as stored (x, y, z): keep images and labels in the same format
-            volume = nibabel.load(path)
-            array = volume if shape_only else np.asanyarray(volume.dataobj)
-    except Exception as e:  # truncated, corrupt, not what its name says: all mean the same to the user
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise RankError(f"cannot read volume {path} ({reason}): replace or remove the file") from None
-    return tuple(array.shape) if shape_only else array
-
-
-def volume_tensors(image, label):
-    """float32 C×D×H×W image, standardized per channel over the whole volume; uint8 D×H×W mask."""
-    image = torch.from_numpy(np.array(image, dtype=np.float32))
-    image = image[None] if image.dim() == 3 else image
-    mean, std = image.mean(dim=(1, 2, 3), keepdim=True), image.std(dim=(1, 2, 3), keepdim=True)
-    label = torch.from_numpy(np.array(label)).reshape(image.shape[1:])
-    return (image - mean) / std.clamp_min(1e-6), (label != 0).to(torch.uint8)
-
-
-def shape_text(shape):
-    return "×".join(map(str, shape))
-
-
-class VolumeFolder(Dataset):
-    """root/images/NAME.ext and root/labels/NAME.ext paired by NAME; item i is one whole volume."""
-
-    def __init__(self, root):
-        self.root, self.pairs, self.shapes = root, [], []
-        files = {}
-        for kind in ("images", "labels"):
-            folder = os.path.join(root, kind)
-            names = sorted(f for f in os.listdir(folder) if not f.startswith("."))
-            if not names:
-                raise UserError(f"{folder} is empty: put the volumes there ({', '.join(EXTENSIONS)}), labels under the same names")
-            files[kind] = {}
-            for name in names:
-                stem, ext = split_name(name)
-                if ext is None:
-                    raise UserError(f"{os.path.join(folder, name)}: unsupported file type; use {', '.join(EXTENSIONS)}")
-                if stem in files[kind]:
-                    raise UserError(f"{folder} holds both {files[kind][stem]} and {name}: keep one volume per name")
-                files[kind][stem] = name
-        for stem in sorted(files["images"].keys() | files["labels"].keys()):
-            if stem not in files["labels"]:
-                raise UserError(f"{os.path.join(root, 'images', files['images'][stem])} has no label: add "
-                                f"{os.path.join(root, 'labels', stem)}.* (labels are paired by file name) or remove the image")
-            if stem not in files["images"]:
-                raise UserError(f"{os.path.join(root, 'labels', files['labels'][stem])} has no image: add "
-                                f"{os.path.join(root, 'images', stem)}.* (images are paired by file name) or remove the label")
-            self.pairs.append((os.path.join(root, "images", files["images"][stem]), os.path.join(root, "labels", files["labels"][stem])))
-        for image_path, label_path in self.pairs:
-            image, label = read_volume(image_path, shape_only=True), read_volume(label_path, shape_only=True)
-            if len(image) not in (3, 4):
-                raise UserError(f"{image_path} has shape {shape_text(image)}: volumes must be D×H×W or C×D×H×W")
-            if label != image[-3:] and label != (1, *image[-3:]):
-                raise UserError(f"shape mismatch: {image_path} is {shape_text(image)}, {label_path} is {shape_text(label)}; "
-                                f"a label must have its image's D×H×W")
-            self.shapes.append(image)
-        channels = {1 if len(s) == 3 else s[0] for s in self.shapes}
-        if len(channels) > 1:
-            raise UserError(f"{root}/images: volumes with {sorted(channels)} channels; all must have the same number")
-        self.channels = channels.pop()
-
-    def __len__(self):
-        return len(self.pairs)
-
-    def __getitem__(self, index):
-        image_path, label_path = self.pairs[index]
-        return volume_tensors(read_volume(image_path), read_volume(label_path))
-
-    def check_labels(self, rank, world_size):
-        """Reads this rank's share of the masks: each one is read by one rank only."""
-        for _, path in self.pairs[rank::world_size]:
-            values = np.unique(read_volume(path))
-            if not np.isin(values, (0, 1)).all():
-                raise RankError(f"{path} is not a binary mask (values {', '.join(map(str, values[:6]))}"
-                                f"{' ...' if len(values) > 6 else ''}): labels must hold only 0 and 1")
-
-
-class SyntheticVolumes(Dataset):
-    """1 to 3 random ellipsoids of random brightness in noise, and their mask: learnable, and volume i
-    is the same on every call, rank and run."""
-
-    def __init__(self, size, shape, offset=0):
-        self.size, self.offset, self.channels = size, offset, 1
-        self.shapes = [tuple(shape)] * size
-
-    def __len__(self):
-        return self.size
-
-    def __getitem__(self, index):
-        g = torch.Generator().manual_seed(self.offset + index)
-        grid = torch.stack(torch.meshgrid(*(torch.arange(s, dtype=torch.float32) for s in self.shapes[0]), indexing="ij"))
-        size = torch.tensor(self.shapes[0], dtype=torch.float32).view(3, 1, 1, 1)
-        image, mask = torch.randn(self.shapes[0], generator=g), torch.zeros(self.shapes[0], dtype=torch.bool)
-        for _ in range(int(torch.randint(1, 4, (), generator=g))):
-            centre = (torch.rand(3, 1, 1, 1, generator=g) * 0.6 + 0.2) * size
-            radius = (torch.rand(3, 1, 1, 1, generator=g) * 0.15 + 0.12) * size
-            inside = (((grid - centre) / radius) ** 2).sum(0) <= 1
-            image += inside * (1.0 + 0.5 * torch.rand((), generator=g))
-            mask |= inside
-        return volume_tensors(image.numpy(), mask.numpy())
-
-
-def pad_to(tensor, size):
-    """Zero-pads the last three dimensions at their far end up to at least `size`."""
-    pads = [max(s - t, 0) for t, s in zip(tensor.shape[-3:], size)]
-    return F.pad(tensor, [x for p in reversed(pads) for x in (0, p)]) if any(pads) else tensor
-
-
-class RandomPatches(Dataset):
-    """Sample i is a random patch of volume i % len(volumes), flipped at random along each axis. The
-    randomness comes from the torch generator, which SeededSamples seeds per sample."""
-
-    def __init__(self, volumes, patch_size, per_volume):
-        self.volumes, self.patch_size, self.per_volume = volumes, tuple(patch_size), per_volume
-
-    def __len__(self):
-        return len(self.volumes) * self.per_volume
-
-    def __getitem__(self, index):
-        image, label = self.volumes[index % len(self.volumes)]
-        image, label = pad_to(image, self.patch_size), pad_to(label, self.patch_size)
-        starts = [int(torch.randint(s - p + 1, ())) for s, p in zip(label.shape, self.patch_size)]
-        window = tuple(slice(s, s + p) for s, p in zip(starts, self.patch_size))
-        image, label = image[(slice(None), *window)], label[window]
-        flips = [axis for axis in range(3) if torch.rand(()) < 0.5]
-        return image.flip([a + 1 for a in flips]).contiguous(), label.flip(flips).contiguous()
-
-
-def build_datasets(args):
-    if args.synthetic:
-        return (SyntheticVolumes(args.synthetic_size, args.synthetic_shape),
-                SyntheticVolumes(max(args.synthetic_size // 4, 1), args.synthetic_shape, offset=10**9))
-    train, val = (VolumeFolder(os.path.join(args.data, split)) for split in ("train", "val"))
-    if train.channels != val.channels:
-        raise UserError(f"{args.data}: train volumes have {train.channels} channels, val volumes {val.channels}; they must match")
-    return train, val
-
-
-class DevicePrefetcher:
-    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side
-    CUDA stream on GPU). Volumes arrive standardized: nothing left to convert."""
-
-    def __init__(self, loader, device):
-        self.loader, self.device = loader, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def __len__(self):
-        return len(self.loader)
-
-    def _to_device(self, batch):
-        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
-            return [t.to(self.device, non_blocking=True) for t in batch]
-
-    def __iter__(self):
-        batches = iter(self.loader)
-        upcoming = next(batches, None)
-        upcoming = upcoming and self._to_device(upcoming)
-        while upcoming:
-            if self.stream is not None:
-                main_stream = torch.cuda.current_stream(self.device)
-                main_stream.wait_stream(self.stream)
-                for t in upcoming:
-                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
-            batch, upcoming = upcoming, next(batches, None)
-            upcoming = upcoming and self._to_device(upcoming)
-            yield batch
-
-
-def conv_block(cin, cout, norm):
-    def normalization(c):
-        return nn.BatchNorm3d(c) if norm == "batch" else nn.GroupNorm(math.gcd(8, c), c)
-    return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True),
-                         nn.Conv3d(cout, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True))
-
-
-class UNet3D(nn.Module):
-    """Çiçek et al. 2016: at each of `depth` levels two 3×3×3 convolutions; max-pooling down,
-    transposed convolution up, skip connections across; one logit per voxel (sigmoid outside)."""
-
-    def __init__(self, in_channels, base_channels=16, depth=4, norm="batch"):
-        super().__init__()
-        widths = [base_channels * 2**i for i in range(depth)]
-        self.encoders = nn.ModuleList(conv_block(cin, cout, norm) for cin, cout in zip([in_channels] + widths, widths))
-        self.upsamplers = nn.ModuleList(nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2) for i in range(depth - 1))
-        self.decoders = nn.ModuleList(conv_block(2 * widths[i], widths[i], norm) for i in range(depth - 1))
-        self.head = nn.Conv3d(widths[0], 1, 1)
-
-    def forward(self, x):
-        skips = []
-        for i, encoder in enumerate(self.encoders):
-            x = encoder(F.max_pool3d(x, 2) if i else x)
-            skips.append(x)
-        for i in reversed(range(len(self.decoders))):
-            x = self.decoders[i](torch.cat([skips[i], self.upsamplers[i](x)], dim=1))
-        return self.head(x)
-
-
-def model_config(args, in_channels):
-    return {"in_channels": in_channels, "base_channels": args.base_channels, "depth": args.depth, "norm": args.norm}
-
-
-def bce_dice_loss(logits, target, smooth=1.0):
-    """BCEDiceLoss: binary cross-entropy per voxel plus 1 - soft Dice of the probabilities over the batch."""
-    prob = torch.sigmoid(logits)
-    dice = (2 * (prob * target).sum() + smooth) / (prob.sum() + target.sum() + smooth)
-    return F.binary_cross_entropy_with_logits(logits, target) + 1 - dice
-
-
-def overlap(logits, target):
-    """(intersection, predicted, true, union) voxel counts, the prediction being logit > 0 (p > 0.5)."""
-    pred, true = logits > 0, target > 0.5
-    return torch.stack([(pred & true).sum(), pred.sum(), true.sum(), (pred | true).sum()]).double()
-
-
-class SegMetrics:
-    """Running sums on the device (loss, patches, intersection, predicted, true, non-finite losses);
-    `summary` reduces them over all ranks, so Dice is over every voxel of every rank."""
-
-    def __init__(self, device):
-        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
-
-    def update(self, loss, logits, target):
-        loss = loss.detach().double().reshape(1)
-        n = torch.full((1,), target.shape[0], dtype=torch.float64, device=target.device)
-        self.sums += torch.cat([loss * n, n, overlap(logits.detach(), target)[:3], (~torch.isfinite(loss)).double()])
-
-    def summary(self):
-        loss, n, inter, pred, true, bad = reduce_tensor(self.sums).tolist()
-        return {"loss": loss / max(n, 1), "dice": 2 * inter / max(pred + true, 1), "count": int(n), "nonfinite": int(bad)}
-
-
-def load_checkpoint(path, config):
-    """The checkpoint, on the CPU: random states must reach set_rng_state as CPU tensors, and a copy kept on
-    the GPU would take a model's worth of its memory for the whole run."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
-                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":
-        raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")
-    if ckpt["model"] != config:
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ckpt["model"].items() if k != "in_channels")
-        raise UserError(f"{path} holds a U-Net with {ckpt['model']}, not {config}: pass {flags}, or another checkpoint")
-    consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
-    return ckpt
-
-
-def check_and_load(args, rank, world_size, device):
-    """Everything that can fail on bad input, done before any process waits for another. Returns
-    the datasets, the model (the same initial weights on every rank) and the checkpoint, if any."""
-    if args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
-                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
-    if args.depth < 1 or any(p % 2 ** (args.depth - 1) or p < 1 for p in args.patch_size):
-        raise UserError(f"--patch-size {' '.join(map(str, args.patch_size))}: with --depth {args.depth} each side "
-                        f"must be a positive multiple of {2 ** (args.depth - 1)} (2**(depth-1))")
-    if not args.synthetic and not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --synthetic")
-    for split, kind in () if args.synthetic else itertools.product(("train", "val"), ("images", "labels")):
-        if not os.path.isdir(os.path.join(args.data, split, kind)):
-            raise UserError(f"{os.path.join(args.data, split, kind)} not found: DIR must hold train/images, train/labels, "
-                            f"val/images and val/labels")
-    train_set, val_set = build_datasets(args)
-    config = model_config(args, train_set.channels)
-    ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, config) if ckpt_path else None
-    if len(train_set) * args.patches_per_volume < args.batch_size and not args.evaluate:
-        raise UserError(f"{len(train_set)} training volumes x {args.patches_per_volume} patches are fewer than one global "
-                        f"batch of {args.batch_size}: lower -b or raise --patches-per-volume")
-    for dataset in (train_set, val_set):
-        if isinstance(dataset, VolumeFolder):
-            dataset.check_labels(rank, world_size)
-    set_seed(args.seed)
-    return train_set, val_set, UNet3D(**config), ckpt_path, ckpt
-
-
-# ---------------------------------------------------------------------------------------------
-# The launcher-specific part: torchrun's environment, the process group, DDP (as distributed.py)
-# ---------------------------------------------------------------------------------------------
-def find_processes():
-    """(rank, local_rank, world_size, device) from torchrun's environment; one process without it."""
-    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    if not torch.cuda.is_available():
-        return rank, local_rank, world_size, torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise RankError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                        f"start at most that many processes per node (--nproc_per_node)")
-    torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
-    return rank, local_rank, world_size, torch.device("cuda", local_rank)
-
-
-def start_process_group(args, device, log):
-    if "WORLD_SIZE" not in os.environ:
-        return None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
-            "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
-    timeout = datetime.timedelta(seconds=args.dist_timeout)
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # torchrun's store
-    return join_process_group(args, store, rank, world_size, device)
-
-
-def join_process_group(args, store, rank, world_size, device):
-    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
-    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
-    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
-    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
-    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    try:
-        if "nccl" in backend and device.type == "cuda":
-            gpu = torch.cuda.get_device_properties(device)
-            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
-            store.add(key, 1)
-            if store.add("gpu-check/arrived", 1) == world_size:
-                store.set("gpu-check/done", "1")
-            store.wait(["gpu-check/done"])
-            if store.add(key, 0) > 1:
-                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU ({gpu.name}, "
-                                f"cuda:{device.index} here), which NCCL does not allow: start one process per GPU "
-                                f"(Slurm: --gpus-per-task=1), or use --dist-backend gloo")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=args.dist_timeout),
-                                device_id=device if device.type == "cuda" else None)
-        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
-        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: a "
-                        f"rank elsewhere may have stopped (see the output of every node), or was never started") from None
-
-
-def wrap_model(model, device):
-    if not dist.is_initialized():
-        return model
-    no_sync = {}
-    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
-        # SyncBatchNorm keeps the statistics equal on every rank: broadcasting them before each forward is waste.
-        # torch 2.14 renamed the option (and warns about the old name); older releases know only the old one
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
-
-
-def sync_buffers(model):
-    """BatchNorm statistics drift apart per rank; evaluate and save rank 0's, as a checkpoint holds."""
-    if dist.is_initialized():
-        for buf in model.buffers():
-            dist.broadcast(buf, 0)
-
-
-def gather_objects(obj):
-    """obj from every rank, in rank order (one, without a process group)."""
-    if not dist.is_initialized():
-        return [obj]
-    objects = [None] * dist.get_world_size()
-    dist.all_gather_object(objects, obj)
-    return objects
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking
-    all-reduce on a CPU group, so checking it every step costs no barrier and no GPU sync."""
-
-    def __init__(self, group):
-        self.group, self.requested, self.work = group, False, None
-        self.flag = torch.zeros(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.requested = True
-
-    def agreed(self):
-        """Called by every rank at every step: True on all ranks at the same step."""
-        if self.group is None:
-            return self.requested
-        stop = False
-        if self.work is not None:
-            self.work.wait()
-            stop = self.flag.item() > 0
-        self.flag.fill_(float(self.requested))
-        self.work = None if stop else dist.all_reduce(self.flag, group=self.group, async_op=True)
-        return stop
-
-    def agreed_now(self):
-        """Blocking agreement, at the end of an epoch."""
-        if self.group is None:
-            return self.requested
-        if self.work is not None:
-            self.work.wait()
-        self.work = None
-        self.flag.fill_(float(self.requested))
-        dist.all_reduce(self.flag, group=self.group)
-        return self.flag.item() > 0
-
-
-def end_process_group():
-    """Frees the process group while Python is whole, which joins gloo's worker threads. Left to interpreter
-    shutdown, a worker still releasing a finished collective's tensors needs the GIL and aborts the process
-    ("terminate called without an active exception"). The group is freed only when nothing else holds it:
-    so the preemption handlers, which hold it, go first, and torch._dynamo is imported at the top (torch 2.14
-    keeps references to a group that exists when it is first imported, as DDP does)."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------
-def main():
-    args = parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    try:
-        main_worker(args)
-    except UserError as e:
-        exit_bad_input(e, reporter=local_rank == 0)  # one line per node: each node may see its own problem
-    finally:
-        end_process_group()
-
-
-def main_worker(args):
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)  # 3D pooling backward has no deterministic CUDA kernel
-    torch.backends.cudnn.benchmark = not args.deterministic
-    rank, local_rank, world_size, device = find_processes()
-    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
-
-    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, rank, world_size, device)
-    set_seed(args.seed + rank)
-
-    group = start_process_group(args, device, log)
-    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
-    preemption = Preemption(group)
-    local_batch = args.batch_size // world_size
-    patch = tuple(args.patch_size)
-    log(f"{os.path.basename(__file__)}: world size {world_size}, device {device.type}, backend "
-        f"{dist.get_backend() if group else 'none'}, global batch {args.batch_size} = {world_size} x {local_batch} "
-        f"patches of {shape_text(patch)}, 3D U-Net (base {args.base_channels}, depth {args.depth}, {args.norm} norm, "
-        f"{sum(p.numel() for p in model.parameters())} parameters), {train_set.channels} input channel(s), "
-        f"{len(train_set)} train / {len(val_set)} val volumes")
-    small = sum(any(s < p for s, p in zip(shape[-3:], patch)) for shape in train_set.shapes)
-    if small:
-        log(f"note: {small} training volume(s) are smaller than --patch-size {shape_text(patch)} along some axis; "
-            f"their patches are zero-padded at the far end (label 0)")
-
-    if args.sync_bn and device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif args.sync_bn:
-        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
-    model.to(device)
-    amp_dtype = (torch.float16 if device.type == "cuda" else torch.bfloat16) if args.amp else None
-    if args.amp and device.type != "cuda":
-        log("--amp: bf16 autocast on CPU (fp16 and its GradScaler need CUDA)")
-    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
-
-    train_data = SeededSamples(RandomPatches(train_set, patch, args.patches_per_volume))
-    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
-    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    train_batches = DevicePrefetcher(DataLoader(train_data, batch_size=local_batch, sampler=train_sampler, drop_last=True,
-                                                **loader_args), device)
-    val_volumes = DevicePrefetcher(DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size),
-                                              **loader_args), device)
-    steps_per_epoch = len(train_batches)
-
-    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(args.milestones), gamma=args.gamma)
-    start_epoch, start_step, best_dice, train_sums = 0, 0, -1.0, None
-    if ckpt:
-        model.load_state_dict(ckpt["state_dict"])
-        if not args.evaluate:
-            optimizer.load_state_dict(ckpt["optimizer"])
-            scheduler.load_state_dict(ckpt["scheduler"])
-            if ckpt["scaler"]:  # empty when saved without fp16 loss scaling
-                scaler.load_state_dict(ckpt["scaler"])
-            start_epoch, start_step, best_dice = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_dice"]
-            train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
-            if ckpt.get("world_size") == world_size:
-                set_rng_state(ckpt["rng_states"][rank])
-            else:
-                log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
-                    f"random states start afresh (results match, but not bit for bit)")
-        log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
-        ckpt = None  # all of it is in place now: keep no second copy of the weights
-    ddp_model = wrap_model(model, device)
-
-    def run_evaluation():
-        return evaluate(model, val_volumes, patch, args.eval_batch, amp_dtype)
-
-    if args.evaluate:
-        val, _ = run_evaluation()
-        log(f"val: loss {val['loss']:.6f} dice {val['dice']:.6f} iou {val['iou']:.6f} dice_per_volume "
-            f"{val['dice_per_volume']:.6f} (intersection {val['intersection']}, predicted {val['predicted']}, "
-            f"true {val['true']}, union {val['union']}, volumes {val['volumes']})")
-        return
-
-    def checkpoint(epoch, step, sums, is_best):
-        states = gather_objects(rng_state())  # every rank takes part
-        if rank == 0:
-            save_checkpoint({"epoch": epoch, "step": step, "arch": "unet3d", "model": model_config(args, train_set.channels),
-                             "state_dict": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "best_dice": best_dice,
-                             "args": vars(args), "world_size": world_size, "rng_states": states, "train_sums": sums},
-                            is_best, args.output_dir)
-
-    if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=start_epoch) if rank == 0 else None
-    show_bar = rank == 0 and sys.stdout.isatty()
-    try:
-        for epoch in range(start_epoch, args.epochs):
-            train_sampler.set_epoch(epoch)
-            train_sampler.start = start_step * local_batch
-            started = time.time()
-            train = train_one_epoch(ddp_model, train_batches, optimizer, scaler, amp_dtype, preemption,
-                                    epoch, start_step, steps_per_epoch, train_sums, args, log, show_bar)
-            start_step, train_sums = 0, None
-            if train["preempted_at"] is not None:
-                checkpoint(epoch, train["preempted_at"], train["sums"], False)
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step "
-                    f"{train['preempted_at']}; continue with --resume auto")
-                break
-            train_seconds = time.time() - started
-            lr = optimizer.param_groups[0]["lr"]
-            scheduler.step()
-            sync_buffers(model)
-            val, slices = run_evaluation()
-            is_best = val["dice"] > best_dice
-            best_dice = max(best_dice, val["dice"])
-            checkpoint(epoch + 1, 0, None, is_best)
-            row = {"epoch": epoch, "train_loss": train["loss"], "train_dice": train["dice"], "val_loss": val["loss"],
-                   "val_dice": val["dice"], "val_iou": val["iou"], "val_dice_per_volume": val["dice_per_volume"],
-                   "lr": lr, "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
-            if rank == 0:
-                for name, picture in zip(("val/input", "val/ground_truth", "val/prediction"), slices):
-                    writer.add_image(name, picture, epoch, dataformats="HW")
-                write_epoch(row, writer, args.output_dir)
-            log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
-                f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
-                f"{row['img_per_s']:.1f} img/s")
-            if preemption.agreed_now() and epoch + 1 < args.epochs:  # all ranks take part
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; continue with --resume auto")
-                break
-    finally:
-        if writer:
-            writer.close()
-
-
-def train_one_epoch(model, batches, optimizer, scaler, amp_dtype, preemption, epoch, start_step,
-                    steps_per_epoch, sums, args, log, show_bar):
-    """One pass over this rank's share of the patches. Returns the epoch's summary (loss, dice, count),
-    or the step at which every rank agreed to stop and the running sums so far."""
-    model.train()
-    device = next(model.parameters()).device
-    metrics = SegMetrics(device)
-    if sums is not None:
-        metrics.sums += sums.to(device)  # the part of this epoch trained before a preemption
-    first_bad = torch.full((), -1, device=device)
-    bar = tqdm(total=steps_per_epoch, initial=start_step, desc=f"Epoch {epoch}", dynamic_ncols=True, disable=not show_bar)
-    last_time, last_count = time.time(), 0 if sums is None else sums[1].item()
-
-    def report(step):
-        nonlocal last_time, last_count
-        s = metrics.summary()
-        check_finite(s, first_bad, epoch)
-        now = time.time()
-        text = (f"loss {s['loss']:.4f} dice {s['dice']:.4f} lr {optimizer.param_groups[0]['lr']:.4g} "
-                f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.1f} img/s")
-        last_time, last_count = now, s["count"]
-        if show_bar:
-            bar.set_postfix_str(text)
-        else:
-            log(f"Epoch {epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
-        return s
-
-    for step, (images, labels) in enumerate(batches, start=start_step):
-        if preemption.agreed():
-            bar.close()
-            return {"preempted_at": step, "sums": reduce_tensor(metrics.sums).cpu()}
-        target = labels[:, None].float()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images)
-        loss = bce_dice_loss(logits.float(), target)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        metrics.update(loss.float(), logits.float(), target)
-        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
-        bar.update()
-        if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
-            report(step + 1)
-    summary = report(steps_per_epoch)
-    bar.close()
-    return {"preempted_at": None, **summary}
-
-
-def check_finite(summary, first_bad, epoch):
-    if summary["nonfinite"]:
-        bad = torch.where(first_bad < 0, torch.iinfo(torch.int64).max, first_bad).reshape(1)
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MIN)
-        raise UserError(f"loss became NaN/inf at epoch {epoch} step {int(bad)}; stopped without saving it: "
-                        f"lower --lr, or check the data")
-
-
-def predict_volume(model, image, patch, tiles_per_pass):
-    """Logits (1×D×H×W) for a whole C×D×H×W volume: zero-pad its far borders up to a multiple of the
-    patch, run the model on the non-overlapping tiles, crop the padding off again."""
-    size = image.shape[1:]
-    padded = pad_to(image, [math.ceil(s / p) * p for s, p in zip(size, patch)])
-    logits = torch.empty((1, *padded.shape[1:]), device=image.device)
-    windows = [tuple(slice(c, c + p) for c, p in zip(corner, patch))
-               for corner in itertools.product(*(range(0, s, p) for s, p in zip(padded.shape[1:], patch)))]
-    for i in range(0, len(windows), tiles_per_pass):
-        group = windows[i:i + tiles_per_pass]
-        output = model(torch.stack([padded[(slice(None), *w)] for w in group])).float()
-        for w, tile in zip(group, output):
-            logits[(slice(None), *w)] = tile
-    return logits[(slice(None), *(slice(0, s) for s in size))]
-
-
-def evaluate(model, volumes, patch, tiles_per_pass, amp_dtype):
-    """Whole volumes, each on one rank. Sums (loss, per-volume Dice, volumes, intersection, predicted,
-    true, union) are all-reduced once: the result equals a single-process evaluation. Also returns
-    the middle slice of the first volume's input, mask and prediction, for TensorBoard."""
-    model.eval()
-    device = next(model.parameters()).device
-    sums, slices = torch.zeros(7, dtype=torch.float64, device=device), None
-    with torch.inference_mode(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        for image, label in volumes:
-            logits = predict_volume(model, image[0], patch, tiles_per_pass)
-            target = label.float()
-            counts = overlap(logits, target)
-            dice = torch.where(counts[1] + counts[2] > 0, 2 * counts[0] / (counts[1] + counts[2]).clamp_min(1), 1.0)
-            loss = bce_dice_loss(logits, target).double()
-            sums += torch.cat([torch.stack([loss, dice, torch.ones_like(dice)]), counts])
-            if slices is None:
-                middle = image.shape[2] // 2
-                picture = image[0, 0, middle].float()
-                slices = [(picture - picture.min()) / (picture.max() - picture.min()).clamp_min(1e-6),
-                          target[0, middle], (logits[0, middle] > 0).float()]
-    loss, dice, n, inter, pred, true, union = reduce_tensor(sums).tolist()
-    return ({"loss": loss / max(n, 1), "dice": 2 * inter / (pred + true) if pred + true else 1.0,
-             "iou": inter / union if union else 1.0, "dice_per_volume": dice / max(n, 1), "volumes": int(n),
-             "intersection": int(inter), "predicted": int(pred), "true": int(true), "union": int(union)},
-            [s.cpu() for s in slices] if slices else [])
 
 
 if __name__ == "__main__":

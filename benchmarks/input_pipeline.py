@@ -49,7 +49,8 @@ def make_jpegs(folder, count, seed=0):
         w, h = SIZES[i % len(SIZES)]
         y, x = torch.meshgrid(torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij")
         freq = torch.rand(3, 2, generator=gen) * 0.2 + 0.02
-        img = torch.stack([torch.sin(x * fx + c) * 70 + torch.cos(y * fy) * 50 + 128 for c, (fx, fy) in enumerate(freq)])
+        img = torch.stack([torch.sin(x * fx + c) * 70 + torch.cos(y * fy) * 50 + 128
+                           for c, (fx, fy) in enumerate(freq)])
         img += (x > w * torch.rand(1, generator=gen)).float() * 40  # an edge
         img += torch.randn(3, h, w, generator=gen) * 10
         path = Path(folder) / f"{i:05d}.JPEG"
@@ -59,7 +60,8 @@ def make_jpegs(folder, count, seed=0):
 
 
 def examples_pipeline():
-    tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+    tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+                             transforms.ToTensor(),
                              transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
 
     def load(path):
@@ -138,26 +140,31 @@ def main():
     p.add_argument("--limit", type=int, default=200, help="at most this many files")
     p.add_argument("--seconds", type=float, default=6, help="time per pipeline, shared among the rounds")
     p.add_argument("--rounds", type=int, default=2, help="the pipelines take turns this many times")
-    p.add_argument("--workers", type=int, default=0, help="also time (a) and (b) through a DataLoader with this many workers")
+    p.add_argument("--workers", type=int, default=0,
+                   help="also time (a) and (b) through a DataLoader with this many workers")
     args = p.parse_args()
     torch.set_num_threads(1)
     random.seed(0)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.folder:
-            paths = sorted(p for p in Path(args.folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg"))[:args.limit]
+            paths = sorted(p for p in Path(args.folder).rglob("*")
+                           if p.suffix.lower() in (".jpg", ".jpeg"))[:args.limit]
         else:
             paths = make_jpegs(tmp, args.limit)
         kb = sum(p.stat().st_size for p in paths) / len(paths) / 1000
         print(f"{len(paths)} JPEGs, mean {kb:.0f} kB, one core (torch threads 1)")
-        pipelines = {"a pytorch/examples": examples_pipeline(), "b this repository": repository_pipeline(reference_script()),
+        pipelines = {"a pytorch/examples": examples_pipeline(),
+                     "b this repository": repository_pipeline(reference_script()),
                      "c decode only": decode_only()}
-        a, b, c = compare({name: functools.partial(images_per_second, pipeline) for name, pipeline in pipelines.items()},
+        a, b, c = compare({name: functools.partial(images_per_second, pipeline)
+                           for name, pipeline in pipelines.items()},
                           paths, args)
         print(f"b / a = {b / a:.2f} (target >= 1.8)   b / c = {b / c:.2f} (target >= 0.7)")
         if args.workers:
             print(f"through a DataLoader with {args.workers} worker(s):")
-            a, b = compare({name: functools.partial(loader_images_per_second, pipelines[name]) for name in list(pipelines)[:2]},
+            a, b = compare({name: functools.partial(loader_images_per_second, pipelines[name])
+                            for name in list(pipelines)[:2]},
                            paths, args, workers=args.workers)
             print(f"b / a = {b / a:.2f}")
 

@@ -91,7 +91,8 @@ def main():
             times[name].append((time.perf_counter() - start) / args.steps * 1000)
     if dist.get_rank() == 0:
         base = statistics.median(times["(0) no metrics"])
-        print(f"2 processes, gloo, CPU, batch {args.batch} per process, {args.steps} steps x {args.rounds} rounds (medians)")
+        print(f"2 processes, gloo, CPU, batch {args.batch} per process, "
+              f"{args.steps} steps x {args.rounds} rounds (medians)")
         for name, values in times.items():
             ms = statistics.median(values)
             print(f"{name:52s} {ms:7.2f} ms/step  overhead {100 * (ms - base) / base:+6.1f}%")

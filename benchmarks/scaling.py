@@ -40,17 +40,20 @@ def main():
     p.add_argument("--steps", type=int, default=40, help="--benchmark steps")
     p.add_argument("--dummy-size", type=int, default=1280, help="images in the one epoch of --dummy training")
     args = p.parse_args()
-    common = ["-a", args.arch, "--crop-size", args.crop_size, "--val-resize", args.crop_size, "-b", args.batch_size, "-p", 10**6]
+    common = ["-a", args.arch, "--crop-size", args.crop_size, "--val-resize", args.crop_size, "-b", args.batch_size,
+              "-p", 10**6]
     rows = []
     for n in args.nprocs:
         out = torchrun(n, *common, "--benchmark", args.steps)
         model_only = float(re.search(r"benchmark: (\d+) img/s", out)[1])
         with tempfile.TemporaryDirectory() as tmp:
-            torchrun(n, *common, "--dummy", "--dummy-size", args.dummy_size, "--epochs", 1, "-j", 0, "--output-dir", tmp)
+            torchrun(n, *common, "--dummy", "--dummy-size", args.dummy_size, "--epochs", 1, "-j", 0,
+                     "--output-dir", tmp)
             pipeline = json.loads((Path(tmp) / "metrics.jsonl").read_text().splitlines()[-1])["img_per_s"]
         rows.append((n, model_only, pipeline))
     print(f"distributed.py, {args.arch} at {args.crop_size} px, global batch {args.batch_size}")
-    print(f"{'processes':>9}  {'model img/s':>11}  {'efficiency':>10}  {'whole pipeline img/s':>20}  {'efficiency':>10}")
+    print(f"{'processes':>9}  {'model img/s':>11}  {'efficiency':>10}  "
+          f"{'whole pipeline img/s':>20}  {'efficiency':>10}")
     for n, model_only, pipeline in rows:
         print(f"{n:>9}  {model_only:>11.0f}  {model_only / (n * rows[0][1]):>10.0%}  {pipeline:>20.0f}  "
               f"{pipeline / (n * rows[0][2]):>10.0%}")

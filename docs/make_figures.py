@@ -212,7 +212,8 @@ RESULTS = {
     "metric handling, cost per step (%)": [("tutorial: barrier + 3 all-reduce + .item()", 9.3),
                                            ("this repository: device sums", 0.1)],
     "distributed.py, 1 -> 2 processes (img/s)": [("1 process, --benchmark", 102), ("2 processes, --benchmark", 174),
-                                                 ("1 process, whole pipeline", 103), ("2 processes, whole pipeline", 167)],
+                                                 ("1 process, whole pipeline", 103),
+                                                 ("2 processes, whole pipeline", 167)],
 }
 
 

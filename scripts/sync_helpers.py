@@ -39,20 +39,20 @@ OWN = {
                         "wrap_model", "gather_rng_states", "main"},
     "horovod_distributed.py": {"parse_args", "find_processes", "check_launch_args", "start_process_group",
                                "end_process_group", "describe_processes", "prepare_model", "build_optimizer",
-                               "wrap_model", "train_step", "reduce_tensor", "gather_objects", "sync_buffers", "sum_async",
-                               "main"},
+                               "wrap_model", "train_step", "reduce_tensor", "gather_objects", "sync_buffers",
+                               "sum_async", "main"},
     "apex_distributed.py": {"parse_args", "check_launch_args", "build_optimizer", "setup_precision", "collate"},
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
     "unet3d_apex.py": {"parse_args", "check_launch_args", "describe_processes", "prepare_model", "build_optimizer",
                        "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
                        "check_finite", "evaluate", "check_and_load", "build_datasets", "build_loaders",
-                       "load_checkpoint", "benchmark", "Metrics", "collate"},
+                       "load_checkpoint"},
 }
 # shared names a sibling has no use for: no process group of torch.distributed's
 NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
                "unet3d_apex.py": {"check_model", "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN",
                                   "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip",
-                                  "accuracy", "MODEL_NAMES"}}
+                                  "collate", "Prefetcher", "accuracy", "Metrics", "benchmark", "MODEL_NAMES"}}
 
 
 def definitions(source):

@@ -139,7 +139,8 @@ def run(cmd, timeout=300, **kwargs):
 
 
 def torchrun(script, nproc, *args, launcher_args=(), **kwargs):
-    return Job([*TORCHRUN_CMD, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, ROOT / script, *args], **kwargs)
+    return Job([*TORCHRUN_CMD, "--standalone", f"--nproc_per_node={nproc}", *launcher_args, ROOT / script, *args],
+               **kwargs)
 
 
 def two_nodes(script, *args, node_args=lambda node: [], nproc=1, **kwargs):

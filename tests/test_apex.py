@@ -1,6 +1,5 @@
 """apex_distributed.py under torchrun on CPU, bfloat16 standing in for float16: apex's opt levels O0-O3,
 O2's fp32 master weights and their bit-exact resume, normalization done once, and apex being absent."""
-import functools
 import math
 
 import pytest
@@ -39,8 +38,8 @@ def test_o0_trains_in_fp32_despite_a_broken_apex(image_data, tmp_path):
     fake = tmp_path / "site" / "apex"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(BROKEN_APEX)
-    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O0", "--epochs", "2", "--output-dir", tmp_path / "out",
-                      env={"PYTHONPATH": tmp_path / "site"}))
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O0", "--epochs", "2",
+                      "--output-dir", tmp_path / "out", env={"PYTHONPATH": tmp_path / "site"}))
     assert "apex unavailable (OSError: libcudart.so.11.0" in job.output
     assert "opt level O0: fp32 throughout" in job.output and "bfloat16 stands in" not in job.output
     assert_trains(tmp_path / "out", 2)
@@ -50,7 +49,8 @@ def test_o1_autocast_learns_without_apex(image_data, tmp_path):
     job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O1", "--epochs", "3", "--output-dir", tmp_path))
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
     assert "--half-dtype float16 needs CUDA: bfloat16 stands in on CPU for O1" in job.output
-    assert "optimizer: torch.optim.SGD(fused=True); apex unavailable (ModuleNotFoundError: No module named 'apex')" in job.output
+    assert ("optimizer: torch.optim.SGD(fused=True); "
+            "apex unavailable (ModuleNotFoundError: No module named 'apex')") in job.output
     assert "opt level O1: fp32 weights, autocast to bfloat16, no loss scaling" in job.output
     rows = assert_trains(tmp_path, 3)
     assert max(r["val_acc1"] for r in rows) >= 70 and rows[-1]["train_acc1"] >= 60, rows  # 4 classes: chance is 25%
@@ -103,14 +103,14 @@ def script():
 
 
 def test_the_prefetcher_normalizes_once(script):
-    """uint8 images whose channels have the ImageNet mean and std (x 255) come out of fast_collate and the
-    Prefetcher with mean 0 and std 1, channels_last; normalizing twice would put the mean near -2."""
+    """uint8 images whose channels have the ImageNet mean and std (x 255) come out of collate (apex's
+    fast_collate) and the Prefetcher with mean 0 and std 1, channels_last; normalizing twice would put the
+    mean near -2."""
     g = torch.Generator().manual_seed(0)
     mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in (script.IMAGENET_MEAN, script.IMAGENET_STD))
     samples = [((mean + std * torch.randn(3, 16, 16, generator=g)).round().clamp(0, 255).to(torch.uint8), i % 4)
                for i in range(64)]
-    collate = functools.partial(script.fast_collate, memory_format=torch.channels_last)
-    batches = list(script.Prefetcher(DataLoader(samples, batch_size=32, collate_fn=collate), torch.device("cpu"),
+    batches = list(script.Prefetcher(DataLoader(samples, batch_size=32, collate_fn=script.collate), torch.device("cpu"),
                                      channels_last=True))
     assert len(batches) == 2
     images, target = batches[0]

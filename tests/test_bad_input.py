@@ -21,7 +21,8 @@ def broken_copy(image_data, tmp_path, change):
 
 def checkpoint(tmp_path, truncate=False, **content):
     path = tmp_path / "ckpt.pth.tar"
-    torch.save({"arch": "resnet18", "state_dict": torchvision.models.resnet18(num_classes=4).state_dict(), **content}, path)
+    torch.save({"arch": "resnet18", "state_dict": torchvision.models.resnet18(num_classes=4).state_dict(), **content},
+               path)
     if truncate:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     return path
@@ -33,28 +34,42 @@ def first_train_image(data):
 
 # name: (processes, arguments given the dataset and a scratch folder, what the error line must say)
 CASES = {
-    "missing data folder": (1, lambda d, t: [t / "nowhere"], r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
+    "missing data folder": (1, lambda d, t: [t / "nowhere"],
+                            r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],
                       r"val not found: DIR must hold train/ and val/"),
     "empty class folder": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class9").mkdir())],
                            r"Found no valid file for the classes class9.*needs at least one image"),
-    "corrupt JPEG on one of two ranks": (2, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x).write_bytes(b"junk"))],
+    "corrupt JPEG on one of two ranks": (2, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x)
+                                                                      .write_bytes(b"junk"))],
                                          r"cannot read image .*class0/0000.JPEG .*replace or remove the file"),
-    "truncated JPEG": (1, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x).write_bytes(first_train_image(x).read_bytes()[:300]))],
+    "truncated JPEG": (1, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x)
+                                                    .write_bytes(first_train_image(x).read_bytes()[:300]))],
                        r"cannot read image .*class0/0000.JPEG \(.*[Tt]runcated.*\): replace or remove the file"),
-    "unknown arch": (1, lambda d, t: [d, "-a", "resnet19"], r"unknown --arch 'resnet19': use a torchvision classification model"),
-    "dropout on a model without it": (1, lambda d, t: [d, "--dropout", "0"], r"--arch resnet18 does not take these options.*drop --dropout"),
-    "batch not divisible by world size": (2, lambda d, t: [d, "-b", "15"], r"--batch-size 15 is the global batch and must divide by the world size 2: use e.g. 14"),
-    "batch larger than the data": (1, lambda d, t: [d, "-b", "512"], r"192 training images are fewer than one global batch of 512: lower -b"),
+    "unknown arch": (1, lambda d, t: [d, "-a", "resnet19"],
+                     r"unknown --arch 'resnet19': use a torchvision classification model"),
+    "dropout on a model without it": (1, lambda d, t: [d, "--dropout", "0"],
+                                      r"--arch resnet18 does not take these options.*drop --dropout"),
+    "batch not divisible by world size": (2, lambda d, t: [d, "-b", "15"],
+                                          r"--batch-size 15 is the global batch and must divide by the world size 2: "
+                                          r"use e.g. 14"),
+    "batch larger than the data": (1, lambda d, t: [d, "-b", "512"],
+                                   r"192 training images are fewer than one global batch of 512: lower -b"),
     "fp16 without CUDA": (1, lambda d, t: [d, "--amp", "fp16"], r"--amp fp16 needs CUDA.*use --amp bf16"),
-    "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"], r"--resume .*none.pth.tar: no such file"),
-    "resume path unreadable": (1, lambda d, t: [d, "--resume", t], r"cannot load checkpoint .*: it is unreadable or truncated"),
+    "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
+                            r"--resume .*none.pth.tar: no such file"),
+    "resume path unreadable": (1, lambda d, t: [d, "--resume", t],
+                               r"cannot load checkpoint .*: it is unreadable or truncated"),
     "resume checkpoint truncated": (1, lambda d, t: [d, "--resume", checkpoint(t, truncate=True)],
-                                    r"cannot load checkpoint .*ckpt.pth.tar .*unreadable or truncated; resume from another file"),
+                                    r"cannot load checkpoint .*ckpt.pth.tar .*unreadable or truncated; "
+                                    r"resume from another file"),
     "resume checkpoint of another arch": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="resnet50")],
                                           r"ckpt.pth.tar holds a resnet50 model, not resnet18: pass -a resnet50"),
-    "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"], r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
-    "pretrained weights out of reach": (1, lambda d, t: [d, "--pretrained"], r"cannot load pretrained weights .*resnet18-.*\.pth.*put the file into \$TORCH_HOME/hub/checkpoints/",
+    "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"],
+                         r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
+    "pretrained weights out of reach": (1, lambda d, t: [d, "--pretrained"],
+                                        r"cannot load pretrained weights .*resnet18-.*\.pth.*"
+                                        r"put the file into \$TORCH_HOME/hub/checkpoints/",
                                         {"TORCH_HOME": "/nonexistent"}),
 }
 
@@ -111,14 +126,16 @@ def slow_rank_0(script, tmp_path, *args, env=None):
     """torchrun with 2 processes, local rank 0 (the reporting rank) starting 3 s after the other."""
     wrapper = tmp_path / "slow_rank_0.py"
     wrapper.write_text(SLOW_RANK_0)
-    return torchrun(wrapper, 2, script, *FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *args, env=env).finish(120)
+    return torchrun(wrapper, 2, script, *FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *args,
+                    env=env).finish(120)
 
 
 def test_the_reporting_rank_prints_even_when_a_silent_rank_fails_first(image_data, tmp_path):
     """Local rank 0 reports; here it starts last. The other rank finds the error first and must not exit
     before rank 0 has printed, since torchrun stops every process as soon as one exits."""
     _, make_args, expected = CASES["batch not divisible by world size"]
-    assert_one_clear_line(slow_rank_0(SCRIPT, tmp_path, *make_args(image_data, tmp_path)), expected, launcher_reports=True)
+    assert_one_clear_line(slow_rank_0(SCRIPT, tmp_path, *make_args(image_data, tmp_path)), expected,
+                          launcher_reports=True)
 
 
 @pytest.mark.parametrize("script", [SCRIPT, "apex_distributed.py"])
@@ -134,7 +151,8 @@ def test_spawn_rendezvous_port_already_in_use(image_data, tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        job = spawn(SPAWN, 2, image_data, *FAST, "--dist-url", f"tcp://127.0.0.1:{port}", "--output-dir", tmp_path).finish(60)
+        job = spawn(SPAWN, 2, image_data, *FAST, "--dist-url", f"tcp://127.0.0.1:{port}",
+                    "--output-dir", tmp_path).finish(60)
     assert_one_clear_line(job, rf"--dist-url tcp://127.0.0.1:{port}: cannot listen on port {port} \(address already "
                                r"in use\); another job may use it: choose a free port")
 

@@ -28,7 +28,8 @@ def test_benchmark_runs_and_reports(name):
 
 def test_quickstart_demo_trains(tmp_path):
     """bash scripts/demo.sh, shortened through the arguments it passes on to distributed.py."""
-    job = ok(Job(["bash", ROOT / "scripts" / "demo.sh", "--epochs", "1", "--dummy-size", "64", "--output-dir", tmp_path]),
+    job = ok(Job(["bash", ROOT / "scripts" / "demo.sh", "--epochs", "1", "--dummy-size", "64",
+                  "--output-dir", tmp_path]),
              timeout=600)
     assert "world size 2" in job.output and load(tmp_path / "checkpoint.pth.tar")["epoch"] == 1
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, assert_same_tensors, load, metrics, ok,
-                      python, torchrun)
+from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run,
+                      assert_same_tensors, load, metrics, ok, python, torchrun)
 
 SCRIPT = "distributed.py"
 
@@ -55,7 +55,8 @@ def val_line(job):
 def test_evaluation_is_exact_for_any_number_of_processes(trained, image_data):
     """101 validation images: no rank pads or drops any, so 1, 2 and 3 processes agree exactly."""
     _, out = trained
-    results = [val_line(ok(torchrun(SCRIPT, n, image_data, *FAST, "-b", "12", "-e", "--resume", out / "checkpoint.pth.tar")))
+    results = [val_line(ok(torchrun(SCRIPT, n, image_data, *FAST, "-b", "12", "-e",
+                                    "--resume", out / "checkpoint.pth.tar")))
                for n in (1, 2, 3)]
     losses, counts = zip(*results)
     assert counts[0][-1] == "101"
@@ -103,7 +104,8 @@ def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.process_of_rank(1).send_signal(signal.SIGTERM)  # one rank only: the others must agree to stop with it
     step = assert_preempted(job, tmp_path)
-    resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
+    resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto",
+                          "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, uninterrupted)
 
@@ -130,5 +132,6 @@ def test_ctrl_c_stops_every_process(image_data, tmp_path):
 
 def test_benchmark_mode_trains_on_synthetic_device_batches_and_prints_img_per_s(tmp_path):
     job = ok(torchrun(SCRIPT, 2, "--benchmark", "4", "--crop-size", "32", "-b", "16", "--output-dir", tmp_path))
-    assert re.search(r"^benchmark: \d+ img/s over 4 steps, 2 processes, global batch 16, resnet18 at 32 px", job.output, re.M)
+    assert re.search(r"^benchmark: \d+ img/s over 4 steps, 2 processes, global batch 16, resnet18 at 32 px",
+                     job.output, re.M)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written

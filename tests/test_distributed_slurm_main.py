@@ -99,7 +99,8 @@ def test_hostlist_expansion_matches_scontrol(slurm):
 def test_one_task_per_process_on_two_nodes_equals_torchrun(slurm, image_data, tmp_path, uninterrupted):
     """srun -N2 -n2: rank SLURM_PROCID on two nodes, rendezvous on the first; the same weights, bit for
     bit, as distributed.py under torchrun with 2 processes."""
-    job = ok(srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path), timeout=400)
+    job = ok(srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path),
+             timeout=400)
     assert "distributed_slurm_main.py: world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
     assert job.output.count(f"Epoch {EPOCHS - 1}: train loss") == 1  # only rank 0 prints
     assert_same_run(tmp_path, uninterrupted)
@@ -148,8 +149,9 @@ def sbatch_example(name, tmp_path):
 def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
         example, resources, args, slurm, image_data, tmp_path, uninterrupted):
     out, log = tmp_path / "out", tmp_path / "job.log"
-    submitted = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", *resources, "--cpus-per-task=1",
-                              f"--chdir={ROOT}", f"--output={log}", sbatch_example(example, tmp_path), image_data,
+    submitted = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", *resources,
+                              "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={log}",
+                              sbatch_example(example, tmp_path), image_data,
                               *RESUME, "--epochs", EPOCHS, *args, "--output-dir", out, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.time() + 300

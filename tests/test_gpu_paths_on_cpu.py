@@ -70,7 +70,8 @@ def test_ddp_broadcasts_buffers_only_without_sync_batchnorm(script, process_grou
     module = import_script(script)
     options = []
     monkeypatch.setattr(module, "DistributedDataParallel", lambda model, **kwargs: options.append(kwargs))
-    module.wrap_model(torchvision.models.resnet18(), torch.device("cpu"))
-    module.wrap_model(torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18()), torch.device("cpu"))
+    module.wrap_model(torchvision.models.resnet18(), None, torch.device("cpu"), None)
+    module.wrap_model(torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18()), None,
+                      torch.device("cpu"), None)
     plain, synced = ({k: v for k, v in o.items() if k != "device_ids"} for o in options)
     assert plain == {} and synced in ({"forward_sync_buffers": False}, {"broadcast_buffers": False}), options

@@ -83,7 +83,8 @@ def ks_distance(x, y):
     """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
     x, y = np.sort(x), np.sort(y)
     points = np.concatenate([x, y])
-    return np.abs(np.searchsorted(x, points, side="right") / len(x) - np.searchsorted(y, points, side="right") / len(y)).max()
+    return np.abs(np.searchsorted(x, points, side="right") / len(x)
+                  - np.searchsorted(y, points, side="right") / len(y)).max()
 
 
 def box_features(boxes, height, width):
@@ -111,7 +112,8 @@ def test_v2s_fallback_crop_when_no_draw_fits(script):
     """An image too long for any allowed crop gets v2's central fallback, exactly."""
     torch.manual_seed(0)
     box = v2.RandomResizedCrop(32).make_params([torch.empty(3, 12, 400)])
-    assert script.RandomResizedCropFlip(32).params(12, 400)[:4] == (box["top"], box["left"], box["height"], box["width"])
+    assert script.RandomResizedCropFlip(32).params(12, 400)[:4] == (box["top"], box["left"], box["height"],
+                                                                     box["width"])
 
 
 @pytest.mark.parametrize("channels_last", [False, True])

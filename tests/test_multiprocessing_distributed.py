@@ -4,7 +4,8 @@ every process on Ctrl-C or when a worker dies."""
 import os
 import signal
 
-from conftest import EPOCHS, RESUME, assert_learned, assert_preempted, assert_same_run, free_port, load, metrics, ok, python, spawn
+from conftest import (EPOCHS, RESUME, assert_learned, assert_preempted, assert_same_run, free_port, load, metrics, ok,
+                      python, spawn)
 
 SCRIPT = "multiprocessing_distributed.py"
 SHORT = [*RESUME, "-p", "1000", "--epochs", "1"]
@@ -26,7 +27,8 @@ def test_sigterm_to_the_parent_reaches_every_worker_and_resume_auto_continues(im
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.send_signal(signal.SIGTERM)  # what `kill` or a scheduler sends the process it started
     step = assert_preempted(job, tmp_path)
-    resumed = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
+    resumed = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto",
+                       "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, uninterrupted)
 

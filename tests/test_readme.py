@@ -87,7 +87,8 @@ def test_readme_links_point_at_their_lines():
 
 
 def test_readme_pictures_are_up_to_date():
-    result = subprocess.run([sys.executable, ROOT / "docs" / "make_figures.py", "--check"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, ROOT / "docs" / "make_figures.py", "--check"], capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stderr
     for name in re.findall(r"\]\((docs/[\w.]+\.svg)\)", (ROOT / "README.md").read_text()):
         assert (ROOT / name).exists(), name

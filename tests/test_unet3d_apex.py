@@ -143,7 +143,8 @@ def test_npy_folder_trains_and_pads_volumes_smaller_than_a_patch(uninterrupted):
 
 def test_resume_auto_continues_an_npy_run_exactly(npy_data, tmp_path, uninterrupted):
     ok(torchrun(SCRIPT, 2, npy_data, *NPY, "--epochs", "1", "--output-dir", tmp_path), timeout=180)
-    job = ok(torchrun(SCRIPT, 2, npy_data, *NPY, "--epochs", "2", "--resume", "auto", "--output-dir", tmp_path), timeout=180)
+    job = ok(torchrun(SCRIPT, 2, npy_data, *NPY, "--epochs", "2", "--resume", "auto", "--output-dir", tmp_path),
+             timeout=180)
     assert "resumed from" in job.output and "(epoch 1, step 0)" in job.output
     assert_same_run(tmp_path, uninterrupted[1])
 
@@ -187,7 +188,8 @@ def add_pair(data, name, content=b"not a volume"):
 def optional_library_case(module, ext):
     """Without the library: name it and how to install it; with it, the junk file is unreadable."""
     if importlib.util.find_spec(module) is None:
-        expected = rf"vol9{re.escape(ext)}: reading .* needs {module} \(pip install {module}\), or convert the volumes to .npy"
+        expected = (rf"vol9{re.escape(ext)}: reading .* needs {module} \(pip install {module}\), "
+                    rf"or convert the volumes to .npy")
     else:
         expected = rf"cannot read volume .*vol9{re.escape(ext)} .*: replace or remove the file"
     return (1, lambda d, t: [broken_copy(d, t, lambda x: add_pair(x, f"vol9{ext}"))], expected)
@@ -195,36 +197,48 @@ def optional_library_case(module, ext):
 
 # name: (processes, arguments given the dataset and a scratch folder, what the error line must say)
 CASES = {
-    "missing data folder": (1, lambda d, t: [t / "nowhere"], r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
+    "missing data folder": (1, lambda d, t: [t / "nowhere"],
+                            r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val labels folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val" / "labels"))],
-                             r"val/labels not found: DIR must hold train/images, train/labels, val/images and val/labels"),
-    "empty folder": (1, lambda d, t: [broken_copy(d, t, lambda x: [p.unlink() for p in (x / "val" / "images").iterdir()])],
+                             r"val/labels not found: DIR must hold train/images, train/labels, "
+                             r"val/images and val/labels"),
+    "empty folder": (1, lambda d, t: [broken_copy(d, t, lambda x: [p.unlink()
+                                                                   for p in (x / "val" / "images").iterdir()])],
                      r"val/images is empty: put the volumes there"),
     "image without label": (1, lambda d, t: [broken_copy(d, t, lambda x: first_label(x).unlink())],
-                            r"train/images/vol0.npy has no label: add .*train/labels/vol0.\* \(labels are paired by file name\)"),
+                            r"train/images/vol0.npy has no label: add .*train/labels/vol0.\* "
+                            r"\(labels are paired by file name\)"),
     "label without image": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "val" / "images" / "vol2.npy").unlink())],
                             r"val/labels/vol2.npy has no image: add .*val/images/vol2.\*"),
-    "shape mismatch": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(first_label(x), np.zeros((12, 20, 18), np.uint8)))],
+    "shape mismatch": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(first_label(x),
+                                                                            np.zeros((12, 20, 18), np.uint8)))],
                        r"shape mismatch: .*train/images/vol0.npy is 12×20×20, .*train/labels/vol0.npy is 12×20×18; "
                        r"a label must have its image's D×H×W"),
-    "2-D image": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy", np.zeros((12, 20))))],
+    "2-D image": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy",
+                                                                       np.zeros((12, 20))))],
                   r"train/images/vol0.npy has shape 12×20: volumes must be D×H×W or C×D×H×W"),
     "non-binary label found by rank 1 of 2": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(
         x / "train" / "labels" / "vol1.npy", np.arange(16 * 20 * 24).reshape(16, 20, 24) % 3))],
         r"train/labels/vol1.npy is not a binary mask \(values 0, 1, 2\): labels must hold only 0 and 1"),
-    "unsupported file type": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "images" / "notes.txt").write_text("x"))],
+    "unsupported file type": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "images" / "notes.txt")
+                                                           .write_text("x"))],
                               r"train/images/notes.txt: unsupported file type; use .nii.gz, .npy, .tif, .tiff, .nii"),
     "corrupt .npy": (1, lambda d, t: [broken_copy(d, t, lambda x: add_pair(x, "vol9.npy"))],
                      r"cannot read volume .*train/images/vol9.npy \(.*\): replace or remove the file"),
     "tif": optional_library_case("tifffile", ".tif"),
     "nii.gz": optional_library_case("nibabel", ".nii.gz"),
     "patch not divisible for the depth": (1, lambda d, t: [d, "--patch-size", "16", "10", "16"],
-                                          r"--patch-size 16 10 16: with --depth 3 each side must be a positive multiple of 4"),
-    "batch not divisible by world size": (2, lambda d, t: [d, "-b", "3"], r"--batch-size 3 is the global batch and must divide by the world size 2"),
-    "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"], r"--resume .*none.pth.tar: no such file"),
+                                          r"--patch-size 16 10 16: with --depth 3 each side must be a positive "
+                                          r"multiple of 4"),
+    "batch not divisible by world size": (2, lambda d, t: [d, "-b", "3"],
+                                          r"--batch-size 3 is the global batch and must divide by the world size 2"),
+    "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
+                            r"--resume .*none.pth.tar: no such file"),
     "resume checkpoint of another model": (1, lambda d, t: [d, "--resume", other_model_checkpoint(t)],
-                                           r"ckpt.pth.tar holds a U-Net with .*'base_channels': 16.*: pass --base-channels 16 --depth 4 --norm batch"),
-    "a NaN voxel makes the loss NaN": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy", nan_volume()))],
+                                           r"ckpt.pth.tar holds a U-Net with .*'base_channels': 16.*: "
+                                           r"pass --base-channels 16 --depth 4 --norm batch"),
+    "a NaN voxel makes the loss NaN": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(
+        x / "train" / "images" / "vol0.npy", nan_volume()))],
                                        r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
 }
 

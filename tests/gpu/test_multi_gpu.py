@@ -6,8 +6,8 @@ from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, as
                       torchrun)
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HALF, NCCL, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
-                      assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, preempt, srun_tasks, two_gpus,
-                      worker)
+                      assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, preempt, srun_tasks,
+                      two_gpus, worker)
 
 pytestmark = two_gpus
 
