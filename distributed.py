@@ -244,7 +244,7 @@ def main():
     except UserError as e:  # one line per node: each node may see its own problem
         exit_bad_input(e, reporter=int(os.environ.get("LOCAL_RANK", 0)) == 0)
     finally:
-        end_process_group()
+        end_process_group()  # left to interpreter exit, a gloo thread can abort the process
 
 
 def main_worker(args, local_index=None):

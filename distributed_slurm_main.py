@@ -324,7 +324,7 @@ def run(local_index, args):
     except UserError as e:  # one line per node: each node may see its own problem
         exit_bad_input(e, reporter=local_rank == 0)
     finally:
-        end_process_group()
+        end_process_group()  # left to interpreter exit, a gloo thread can abort the process
 
 
 def requeue(signum):

@@ -207,13 +207,13 @@ def train_step(run, images, target):
 
 
 def reduce_tensor(tensor):
-    """Sum over all processes (a new tensor). hvd.allreduce averages by default; sums, not means, keep
-    a ratio of sums exact however the samples were split between ranks."""
-    return hvd.allreduce(tensor, op=hvd.Sum)
+    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
+    samples were split between ranks."""
+    return hvd.allreduce(tensor, op=hvd.Sum)  # Horovod's default op averages
 
 
 def gather_objects(obj):
-    """obj from every rank, in rank order."""
+    """obj from every rank, in rank order (one, without a process group)."""
     return hvd.allgather_object(obj)
 
 
@@ -244,7 +244,7 @@ def main():
     except UserError as e:  # one line per node: each node may see its own problem
         exit_bad_input(e, reporter=hvd.local_rank() == 0)
     finally:
-        end_process_group()
+        end_process_group()  # Horovod's background thread stops while Python is whole
 
 
 def main_worker(args, local_index=None):

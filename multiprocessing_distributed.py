@@ -358,7 +358,7 @@ def worker(local_index, args):
     except UserError as e:  # local: on a node that never met the others, rank 0 is elsewhere
         exit_bad_input(e, reporter=local_index == 0)
     finally:
-        end_process_group()
+        end_process_group()  # left to interpreter exit, a gloo thread can abort the process
 
 
 def main_worker(args, local_index=None):

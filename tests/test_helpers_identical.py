@@ -1,6 +1,8 @@
-"""The helpers every ImageNet script carries must stay byte-identical to distributed.py's: a fix to
-one is a fix to all (scripts/sync_helpers.py copies them). Each script stands alone, so the copies
-are on purpose; drift is the bug."""
+"""What the scripts share with distributed.py (the training flow, the appendix, the parts of the launcher
+interface a sibling takes over) must stay byte-identical to it: a fix to one is a fix to all
+(scripts/sync_helpers.py copies them). Each script stands alone, so the copies are on purpose; drift is
+the bug. And every script reads in the same order, the lesson first."""
+import ast
 import sys
 
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from sync_helpers import REFERENCE, SHARED, definitions, differences, siblings  # noqa: E402
+from sync_helpers import OWN, REFERENCE, SHARED, definitions, differences, siblings  # noqa: E402
 
 
 def test_the_reference_defines_every_shared_helper():
@@ -25,3 +27,40 @@ def test_every_sibling_is_compared():
 def test_shared_helpers_are_identical_to_the_reference(script):
     drift = [(name, "missing" if mine is None else "differs") for name, _, mine in differences(script)]
     assert not drift, f"{script}: {drift}; run python scripts/sync_helpers.py to copy {REFERENCE}'s across"
+
+
+SCRIPTS = [REFERENCE, *siblings()]
+FENCES = ("# The launcher part", "# The training flow", "# Appendix")
+
+
+def first_line(lines, prefix):
+    return next((i for i, line in enumerate(lines, 1) if line.startswith(prefix)), None)
+
+
+@pytest.mark.parametrize("script", siblings())
+def test_shared_code_comes_in_the_reference_order(script):
+    """So that `diff distributed.py <sibling>` shows the sibling's own code, not shared code moved about."""
+    ref, theirs = definitions((ROOT / REFERENCE).read_text()), definitions((ROOT / script).read_text())
+    shared = set(ref) & set(theirs) - OWN.get(script, set())
+    assert [name for name in theirs if name in shared] == [name for name in ref if name in shared]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_lesson_comes_first(script):
+    """The command line, then the launcher part, the training flow (main_worker in it), and the appendix last."""
+    lines = (ROOT / script).read_text().splitlines()
+    starts = [first_line(lines, fence) for fence in FENCES]
+    assert None not in starts and starts == sorted(starts), dict(zip(FENCES, starts))
+    main_worker = first_line(lines, "def main_worker(")
+    assert first_line(lines, "def parse_args(") < starts[0] and starts[1] < main_worker < starts[2]
+    if script == REFERENCE:  # a newcomer meets the launcher part early and has read the flow by about line 400
+        assert starts[0] <= 150 and starts[2] <= 450, starts
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_function_takes_more_than_six_parameters(script):
+    tree = ast.parse((ROOT / script).read_text())
+    crowded = [f"{node.name} ({len(names)})" for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               for names in [[a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                              if a.arg != "self"]] if len(names) > 6]
+    assert not crowded
