@@ -169,9 +169,7 @@ def prepare_model(model, args, device, log):
 
 
 HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-BATCHNORM = torch.nn.modules.batchnorm._BatchNorm
+BATCHNORM = torch.nn.modules.batchnorm._BatchNorm  # SyncBatchNorm too
 
 
 def build_optimizer(model, args, device, log):
