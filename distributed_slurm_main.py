@@ -58,45 +58,60 @@ MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     add = p.add_argument
     add("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (not needed with --dummy)")
     add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
-    add("--dummy-size", type=int, default=1280, metavar="N", help="with --dummy: training images (validation: N/4)")
+    add("--dummy-size", type=number(int, 1), default=1280, metavar="N",
+        help="with --dummy: training images (validation: N/4)")
     add("-a", "--arch", default="resnet18", metavar="ARCH", help="any torchvision classification model")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
-    add("--dropout", type=float, default=None, help="dropout rate for models that take one (0 turns it off)")
-    add("-j", "--workers", type=int, default=4, help="data loading processes per training process")
-    add("--epochs", type=int, default=90)
-    add("-b", "--batch-size", type=int, default=256, help="global batch over all processes; divides by the world size")
-    add("--lr", type=float, default=0.1, help="learning rate for the global batch")
-    add("--momentum", type=float, default=0.9)
-    add("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
+    add("--dropout", type=number(float, 0, below=1), default=None,
+        help="dropout rate for models that take one (0 turns it off)")
+    add("-j", "--workers", type=number(int, 0), default=4, help="data loading processes per training process")
+    add("--epochs", type=number(int, 0), default=90)
+    add("-b", "--batch-size", type=number(int, 1), default=256,
+        help="global batch over all processes; divides by the world size")
+    add("--lr", type=number(float, above=0), default=0.1, help="learning rate for the global batch")
+    add("--momentum", type=number(float, 0, below=1), default=0.9)
+    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
     add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
     add("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step")
-    add("--lr-step", type=int, default=30, help="epochs between step decays")
-    add("--warmup-epochs", type=float, default=0.0, help="linear warmup from 0 to --lr")
-    add("--crop-size", type=int, default=224)
-    add("--val-resize", type=int, default=256, help="validation images are resized to this, then center-cropped")
+    add("--lr-step", type=number(int, 1), default=30, help="epochs between step decays")
+    add("--warmup-epochs", type=number(float, 0), default=0.0, help="linear warmup from 0 to --lr")
+    add("--crop-size", type=number(int, 1), default=224)
+    add("--val-resize", type=number(int, 1), default=None,
+        help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
-    add("--seed", type=int, default=0, help="same seed, same data and world-size-independent results")
+    add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent results")
     add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
-    add("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
-    add("--benchmark", type=int, default=0, metavar="N",
+    add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
+    add("--benchmark", type=number(int, 0), default=0, metavar="N",
         help="train N steps on synthetic batches already on the device (no data loading), print img/s, exit")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for a peer")
-    add("--procs-per-node", type=int, default=0, metavar="N",
+    add("--dist-timeout", type=number(float, above=0), default=1800, help="seconds a collective may wait for a peer")
+    add("--procs-per-node", type=number(int, 0), default=0, metavar="N",
         help="one Slurm task per node starts N processes, one per GPU (0: srun starts every process)")
     add("--dist-file", default=None, metavar="PATH",
         help="rendezvous through this file on a filesystem all nodes share, instead of TCP to the first node")
-    args = p.parse_args(argv)
+    return check_args(p.parse_args(argv))
+
+
+def check_args(args):
+    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
+    checked here, right after parsing, before any process waits for another."""
     args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
+    args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
+    if args.epochs == 0 and not (args.evaluate or args.benchmark):
+        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+    if args.val_resize < args.crop_size:
+        raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
+                        f"crop would be padded with black; give --val-resize {args.crop_size} or more")
     return args
 
 
@@ -304,7 +319,10 @@ def sum_async(tensor, group):
 # train_one_epoch and evaluate are the same text in every ImageNet sibling.
 # =============================================================================================
 def main():
-    args = parse_args()
+    try:
+        args = parse_args()
+    except UserError as e:  # every task parses the same command line: the first of each node reports it
+        exit_bad_input(e, reporter=int(os.environ.get("SLURM_LOCALID", 0)) == 0)
     if not args.resume and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
         args.resume = "auto"  # a requeued job continues where it stopped
     if args.procs_per_node:
@@ -562,6 +580,36 @@ class UserError(Exception):
 
 class RankError(UserError):
     """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
+    prints its usage from every rank, and exits), exit code 2."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
+
+
+def number(kind, at_least=None, above=None, below=None):
+    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. number(int, 1)
+    for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
+    name = "an integer" if kind is int else "a number"
+    limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
+              f"< {below}" if below is not None else ""]
+    wanted = f"{name} {' and '.join(limit for limit in limits if limit)}".strip()
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
+        if not (math.isfinite(value) and (at_least is None or value >= at_least)
+                and (above is None or value > above) and (below is None or value < below)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        return value
+
+    convert.bounds = (kind, at_least, above, below)
+    return convert
 
 
 def exit_bad_input(error, reporter):

@@ -66,44 +66,53 @@ except ImportError:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     add = p.add_argument
     add("data", nargs="?", metavar="DIR",
         help="folder with train/images, train/labels, val/images, val/labels (not needed with --synthetic)")
     add("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")
-    add("--synthetic-size", type=int, default=40, metavar="N",
+    add("--synthetic-size", type=number(int, 1), default=40, metavar="N",
         help="with --synthetic: training volumes (validation gets N/4)")
-    add("--synthetic-shape", type=int, nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"),
+    add("--synthetic-shape", type=number(int, 1), nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"),
         help="with --synthetic: volume size")
-    add("--patch-size", type=int, nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
+    add("--patch-size", type=number(int, 1), nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
         help="training patch and evaluation tile; each must divide by 2**(depth-1); smaller volumes are zero-padded")
-    add("--patches-per-volume", type=int, default=4, help="random patches drawn from each training volume per epoch")
-    add("--base-channels", type=int, default=16,
+    add("--patches-per-volume", type=number(int, 1), default=4,
+        help="random patches drawn from each training volume per epoch")
+    add("--base-channels", type=number(int, 1), default=16,
         help="channels of the first U-Net level, doubled at every level below")
-    add("--depth", type=int, default=4, help="U-Net levels (depth-1 poolings)")
+    add("--depth", type=number(int, 1), default=4, help="U-Net levels (depth-1 poolings)")
     add("--norm", choices=("batch", "group"), default="batch", help="normalization layer after every convolution")
-    add("-j", "--workers", type=int, default=4, help="data loading processes per training process")
-    add("--epochs", type=int, default=100)
-    add("-b", "--batch-size", type=int, default=4,
+    add("-j", "--workers", type=number(int, 0), default=4, help="data loading processes per training process")
+    add("--epochs", type=number(int, 0), default=100)
+    add("-b", "--batch-size", type=number(int, 1), default=4,
         help="global batch of patches over all processes; must divide by the world size")
-    add("--eval-batch", type=int, default=2, help="tiles per forward pass when evaluating whole volumes")
-    add("--lr", type=float, default=2e-4, help="Adam learning rate")
-    add("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    add("--milestones", type=int, nargs="*", default=(60, 80),
+    add("--eval-batch", type=number(int, 1), default=2, help="tiles per forward pass when evaluating whole volumes")
+    add("--lr", type=number(float, above=0), default=2e-4, help="Adam learning rate")
+    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
+    add("--milestones", type=number(int, 1), nargs="*", default=(60, 80),
         help="epochs at which MultiStepLR multiplies the lr by --gamma")
-    add("--gamma", type=float, default=0.1)
+    add("--gamma", type=number(float, above=0), default=0.1, help="the lr's factor at each milestone")
     add("--amp", action="store_true", help="autocast: fp16 with a GradScaler on CUDA, bf16 on CPU")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--resume", default="", metavar="PATH|auto",
         help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
-    add("--seed", type=int, default=0, help="same seed, same data and world-size-independent patches")
+    add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent patches")
     add("--deterministic", action="store_true", help="use deterministic algorithms where they exist (slower)")
-    add("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
+    add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=float, default=1800, help="seconds a collective may wait for a peer")
-    return p.parse_args(argv)
+    add("--dist-timeout", type=number(float, above=0), default=1800, help="seconds a collective may wait for a peer")
+    return check_args(p.parse_args(argv))
+
+
+def check_args(args):
+    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
+    checked here, right after parsing, before any process waits for another."""
+    if args.epochs == 0 and not args.evaluate:
+        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+    return args
 
 
 # =============================================================================================
@@ -260,9 +269,8 @@ def sum_async(tensor, group):
 # evaluate, a MultiStepLR stepped per epoch, and Dice to pick the best checkpoint by.
 # =============================================================================================
 def main():
-    args = parse_args()
     try:
-        main_worker(args)
+        main_worker(parse_args())
     except UserError as e:  # one line per node: each node may see its own problem
         exit_bad_input(e, reporter=int(os.environ.get("LOCAL_RANK", 0)) == 0)
     finally:
@@ -851,6 +859,36 @@ class UserError(Exception):
 
 class RankError(UserError):
     """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
+    prints its usage from every rank, and exits), exit code 2."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
+
+
+def number(kind, at_least=None, above=None, below=None):
+    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. number(int, 1)
+    for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
+    name = "an integer" if kind is int else "a number"
+    limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
+              f"< {below}" if below is not None else ""]
+    wanted = f"{name} {' and '.join(limit for limit in limits if limit)}".strip()
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
+        if not (math.isfinite(value) and (at_least is None or value >= at_least)
+                and (above is None or value > above) and (below is None or value < below)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        return value
+
+    convert.bounds = (kind, at_least, above, below)
+    return convert
 
 
 def exit_bad_input(error, reporter):

@@ -17,18 +17,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "distributed.py"
 # the launcher interface: every ImageNet sibling defines these, its own way or with the reference's text
-INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process_group", "end_process_group",
-             "describe_processes", "prepare_model", "build_optimizer", "setup_precision", "wrap_model", "train_step",
-             "reduce_tensor", "gather_objects", "gather_rng_states", "sync_buffers", "sum_async", "main"]
+INTERFACE = ["parse_args", "check_args", "find_processes", "check_launch_args", "start_process_group",
+             "end_process_group", "describe_processes", "prepare_model", "build_optimizer", "setup_precision",
+             "wrap_model", "train_step", "reduce_tensor", "gather_objects", "gather_rng_states", "sync_buffers",
+             "sum_async", "main"]
 # the training flow, the same text in every ImageNet sibling
 FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"]
 # the appendix
-APPENDIX = ["UserError", "RankError", "exit_bad_input", "join_process_group", "Preemption", "check_and_load",
-            "check_model", "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN", "IMAGENET_STD",
-            "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "build_loaders",
-            "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher", "accuracy", "Metrics", "write_epoch",
-            "benchmark", "set_seed", "rng_state", "set_rng_state", "atomic_write", "save_checkpoint", "resume_path",
-            "load_checkpoint", "check_same_checkpoint"]
+APPENDIX = ["UserError", "RankError", "Parser", "number", "exit_bad_input", "join_process_group", "Preemption",
+            "check_and_load", "check_model", "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN",
+            "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets",
+            "build_loaders", "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher", "accuracy", "Metrics",
+            "write_epoch", "benchmark", "set_seed", "rng_state", "set_rng_state", "atomic_write", "save_checkpoint",
+            "resume_path", "load_checkpoint", "check_same_checkpoint"]
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
 # the reference's text
@@ -43,8 +44,8 @@ OWN = {
                                "sum_async", "main"},
     "apex_distributed.py": {"parse_args", "check_launch_args", "build_optimizer", "setup_precision", "collate"},
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
-    "unet3d_apex.py": {"parse_args", "check_launch_args", "describe_processes", "prepare_model", "build_optimizer",
-                       "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
+    "unet3d_apex.py": {"parse_args", "check_args", "check_launch_args", "describe_processes", "prepare_model",
+                       "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
                        "check_finite", "evaluate", "check_and_load", "build_datasets", "build_loaders",
                        "load_checkpoint"},
 }

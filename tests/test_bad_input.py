@@ -34,6 +34,9 @@ def first_train_image(data):
 
 # name: (processes, arguments given the dataset and a scratch folder, what the error line must say)
 CASES = {
+    "a value out of its range, on two ranks": (2, lambda d, t: [d, "-p", "0"],
+                                                r"argument -p/--print-freq: 0 is out of range: give an integer >= 1"),
+    "epochs 0 without -e": (1, lambda d, t: [d, "--epochs", "0"], r"--epochs 0 trains nothing: give at least 1"),
     "missing data folder": (1, lambda d, t: [t / "nowhere"],
                             r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],
@@ -78,10 +81,11 @@ SPAWN, DATAPARALLEL, SLURM = "multiprocessing_distributed.py", "dataparallel.py"
 # The siblings run the same checks (byte-identical helpers): here each gets one case per way an error
 # surfaces - found by the parent or by one process, by every rank alike, by the rank that reads a file,
 # or mid-training.
-SIBLINGS = {SPAWN: ["missing data folder", "batch not divisible by world size", "corrupt JPEG on one of two ranks",
+SIBLINGS = {SPAWN: ["a value out of its range, on two ranks", "missing data folder",
+                    "batch not divisible by world size", "corrupt JPEG on one of two ranks",
                     "resume checkpoint of another arch", "loss becomes NaN"],
             DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint truncated", "fp16 without CUDA"],
-            SLURM: ["corrupt JPEG on one of two ranks"]}
+            SLURM: ["corrupt JPEG on one of two ranks", "a value out of its range, on two ranks"]}
 
 
 def launch(script, processes, *args, env=None):

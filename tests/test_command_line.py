@@ -1,0 +1,99 @@
+"""Every value of every flag of every script is checked against its range in one place, right after parsing:
+a value out of range is one `error:` line naming the flag, the value and the range, exit code 2 (the launch
+itself is tested in test_bad_input.py). A new numeric flag without a range fails here."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, import_script
+
+SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
+           "horovod_distributed.py", "distributed_slurm_main.py", "unet3d_apex.py"]
+# values checked where they are used, against what they name: a folder, a file, a model, a backend, GPUs, a URL
+FREE_TEXT = {"data", "arch", "resume", "output_dir", "dist_backend", "dist_url", "gpus", "dist_file"}
+
+
+@pytest.fixture(scope="module", params=SCRIPTS)
+def script(request):
+    return import_script(request.param)
+
+
+def base_args(module):
+    """A command line that trains without a dataset."""
+    return ["--synthetic"] if hasattr(module, "UNet3D") else ["--dummy"]
+
+
+def value_options(module):
+    """The options of the script's parser that take a value, caught as parse_args hands them to argparse."""
+    found = []
+
+    class Capture(module.Parser):
+        def parse_args(self, *args, **kwargs):
+            found.extend(a for a in self._actions if a.option_strings and a.nargs != 0)
+            return super().parse_args(*args, **kwargs)
+
+    real, module.Parser = module.Parser, Capture
+    try:
+        module.parse_args(base_args(module))
+    finally:
+        module.Parser = real
+    return found
+
+
+def outside(bounds):
+    """Values just outside a number's range, and values that are no number of its kind."""
+    kind, at_least, above, below = bounds
+    values = ["x", "1.5"] if kind is int else ["x", "nan", "inf"]
+    step = 1 if kind is int else 1e-3
+    values += [str(at_least - step)] if at_least is not None else []
+    values += [str(above)] if above is not None else []
+    values += [str(below)] if below is not None else []
+    return values
+
+
+def test_every_option_that_takes_a_value_has_a_range_or_choices(script):
+    options = value_options(script)
+    assert len(options) > 15
+    unchecked = [o.option_strings[-1] for o in options
+                 if not (o.choices or hasattr(o.type, "bounds") or o.dest in FREE_TEXT)]
+    assert not unchecked, f"give these a range (number(...)) or choices: {unchecked}"
+
+
+def test_every_value_outside_its_range_is_one_clear_error(script):
+    numeric = [o for o in value_options(script) if hasattr(o.type, "bounds")]
+    assert len(numeric) > 10
+    for option in numeric:
+        for bad in outside(option.type.bounds):
+            count = option.nargs if isinstance(option.nargs, int) else 1
+            with pytest.raises(script.UserError) as error:
+                script.parse_args([*base_args(script), option.option_strings[-1], *[bad] * count])
+            message = str(error.value)
+            assert message.startswith(f"argument {'/'.join(option.option_strings)}: {bad}"), message
+            assert message.endswith("(see --help)") and "give " in message, message
+        defaults = option.default if isinstance(option.default, (list, tuple)) else [option.default]
+        assert all(option.type(str(v)) == v for v in defaults if v is not None)  # the defaults are in range
+
+
+def test_flags_that_contradict_each_other(script):
+    with pytest.raises(script.UserError, match=r"--epochs 0 trains nothing: give at least 1, or -e"):
+        script.parse_args([*base_args(script), "--epochs", "0"])
+    assert script.parse_args([*base_args(script), "--epochs", "0", "-e"]).epochs == 0
+    if "val_resize" in vars(script.parse_args(base_args(script))):
+        with pytest.raises(script.UserError, match=r"--val-resize 30 is smaller than --crop-size 32"):
+            script.parse_args([*base_args(script), "--crop-size", "32", "--val-resize", "30"])
+        assert script.parse_args([*base_args(script), "--crop-size", "518"]).val_resize == 592  # 8/7 of it
+
+
+def test_argparse_errors_are_user_errors(script):
+    """argparse's own errors (an unknown flag, a missing value) would print its usage from every rank."""
+    with pytest.raises(script.UserError, match=r"unrecognized arguments: --no-such-flag \(see --help\)"):
+        script.parse_args([*base_args(script), "--no-such-flag"])
+
+
+def test_one_line_and_exit_code_2_from_the_command_line(tmp_path):
+    """The whole way, as a user meets it: the script run, not only parse_args."""
+    done = subprocess.run([sys.executable, ROOT / "distributed.py", "--dummy", "--lr", "-1"], capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr == "error: argument --lr: -1 is out of range: give a number > 0 (see --help)\n"
