@@ -715,7 +715,10 @@ def check_and_load(args, world_size, device):
         raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: "
                         f"lower -b")
     set_seed(args.seed)
-    return train_set, val_set, build_model(args, len(train_set.classes)), ckpt_path, ckpt
+    model = build_model(args, len(train_set.classes))
+    if ckpt:
+        check_fit(ckpt_path, ckpt, model, args)
+    return train_set, val_set, model, ckpt_path, ckpt
 
 
 def check_model(args):
@@ -1149,11 +1152,42 @@ def load_checkpoint(path, arch):
                         f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
+    if ckpt.get("arch", arch) not in MODEL_NAMES:
+        raise UserError(f"{path} holds a {ckpt['arch']} model, not a torchvision classification model: it is "
+                        f"another script's checkpoint; resume it with that script")
     if ckpt.get("arch", arch) != arch:
         raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another "
                         f"checkpoint")
     consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
     return ckpt
+
+
+def check_fit(path, ckpt, model, args):
+    """Refuses, before any process waits for another, a checkpoint that does not fit the run the command line
+    asks for: its dropout, its weights' names and shapes, its classes (load_state_dict would stop every rank
+    later, with a traceback). The line names both sides."""
+    trained = ckpt.get("args", {}).get("dropout", args.dropout)
+    if trained != args.dropout and not args.evaluate:
+        said = {value: "the model's own dropout" if value is None else f"--dropout {value}"
+                for value in (trained, args.dropout)}
+        raise UserError(f"{path} was trained with {said[trained]}, this run has {said[args.dropout]}: continue it "
+                        f"with {said[trained]}, or train without --resume")
+    own, saved = model.state_dict(), ckpt["state_dict"]
+    missing, unknown = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    if missing or unknown:
+        parts = [f"{len(missing)} weights missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(unknown)} the model lacks (e.g. {unknown[0]})" if unknown else ""]
+        raise UserError(f"{path} does not fit --arch {args.arch}: {', '.join(p for p in parts if p)}; resume from "
+                        f"a checkpoint of this model")
+    wrong = [(key, tuple(saved[key].shape), tuple(own[key].shape)) for key in own
+             if saved[key].shape != own[key].shape]
+    if wrong and all(there[1:] == here[1:] and there[0] != here[0] for _, there, here in wrong):
+        raise UserError(f"{path} has {wrong[0][1][0]} classes, {args.data or '--dummy'} has {wrong[0][2][0]}: "
+                        f"resume with the data it was trained on, or train without --resume")
+    if wrong:
+        key, there, here = wrong[0]
+        raise UserError(f"{path} does not fit --arch {args.arch}: {key} is {'x'.join(map(str, there))} there, "
+                        f"{'x'.join(map(str, here))} here; resume from a checkpoint of this model")
 
 
 def check_same_checkpoint(views):

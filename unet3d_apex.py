@@ -122,9 +122,17 @@ def check_args(args):
 # end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
 # wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
 # =============================================================================================
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
     without it. local_index: the process's index on its node, where the script starts the processes itself."""
+    present = [v for v in TORCHRUN_VARS if v in os.environ]
+    if set(present) & {"RANK", "LOCAL_RANK", "WORLD_SIZE"} and len(present) < len(TORCHRUN_VARS):
+        # exported by hand, or left over from another job (a rendezvous address alone is harmless)
+        raise UserError(f"{', '.join(present)} set but not {', '.join(v for v in TORCHRUN_VARS if v not in present)}:"
+                        f" start the script with torchrun, or unset them to run one process")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     if not torch.cuda.is_available():

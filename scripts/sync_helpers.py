@@ -29,7 +29,7 @@ APPENDIX = ["UserError", "RankError", "Parser", "number", "exit_bad_input", "joi
             "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets",
             "build_loaders", "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher", "accuracy", "Metrics",
             "write_epoch", "benchmark", "set_seed", "rng_state", "set_rng_state", "atomic_write", "save_checkpoint",
-            "resume_path", "load_checkpoint", "check_same_checkpoint"]
+            "resume_path", "load_checkpoint", "check_fit", "check_same_checkpoint"]
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
 # the reference's text
@@ -51,9 +51,10 @@ OWN = {
 }
 # shared names a sibling has no use for: no process group of torch.distributed's
 NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
-               "unet3d_apex.py": {"check_model", "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN",
-                                  "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip",
-                                  "collate", "Prefetcher", "accuracy", "Metrics", "benchmark", "MODEL_NAMES"}}
+               "unet3d_apex.py": {"check_fit", "check_model", "build_model", "param_groups", "lr_factor",
+                                  "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image",
+                                  "RandomResizedCropFlip", "collate", "Prefetcher", "accuracy", "Metrics", "benchmark",
+                                  "MODEL_NAMES"}}
 
 
 def definitions(source):

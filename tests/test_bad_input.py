@@ -19,10 +19,11 @@ def broken_copy(image_data, tmp_path, change):
     return data
 
 
-def checkpoint(tmp_path, truncate=False, **content):
+def checkpoint(tmp_path, truncate=False, num_classes=4, drop=(), **content):
     path = tmp_path / "ckpt.pth.tar"
-    torch.save({"arch": "resnet18", "state_dict": torchvision.models.resnet18(num_classes=4).state_dict(), **content},
-               path)
+    weights = torchvision.models.resnet18(num_classes=num_classes).state_dict()
+    weights = {k: v for k, v in weights.items() if k not in drop}
+    torch.save({"arch": "resnet18", "state_dict": weights, **content}, path)
     if truncate:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     return path
@@ -66,6 +67,22 @@ CASES = {
     "resume checkpoint truncated": (1, lambda d, t: [d, "--resume", checkpoint(t, truncate=True)],
                                     r"cannot load checkpoint .*ckpt.pth.tar .*unreadable or truncated; "
                                     r"resume from another file"),
+    "torchrun's variables half set": (1, lambda d, t: [d], r"WORLD_SIZE, MASTER_ADDR set but not RANK, LOCAL_RANK, "
+                                                          r"MASTER_PORT: start the script with torchrun, or unset them",
+                                      {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}),
+    "resume checkpoint of other classes": (1, lambda d, t: [d, "--resume", checkpoint(t, num_classes=10)],
+                                           r"ckpt.pth.tar has 10 classes, .*data has 4: resume with the data it was "
+                                           r"trained on, or train without --resume"),
+    "resume checkpoint of another script": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="unet3d")],
+                                            r"holds a unet3d model, not a torchvision classification model: it is "
+                                            r"another script's checkpoint; resume it with that script"),
+    "resume checkpoint without some weights": (1, lambda d, t: [d, "--resume", checkpoint(t, drop=("fc.bias",))],
+                                               r"does not fit --arch resnet18: 1 weights missing \(e.g. fc.bias\); "
+                                               r"resume from a checkpoint of this model"),
+    "resume with another dropout": (1, lambda d, t: [d, "-a", "mobilenet_v3_small", "--resume",
+                                                     checkpoint(t, arch="mobilenet_v3_small", args={"dropout": 0.5})],
+                                    r"trained with --dropout 0.5, this run has the model's own dropout: continue it "
+                                    r"with --dropout 0.5"),
     "resume checkpoint of another arch": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="resnet50")],
                                           r"ckpt.pth.tar holds a resnet50 model, not resnet18: pass -a resnet50"),
     "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"],
