@@ -104,19 +104,6 @@ def parse_args(argv=None):
     return check_args(p.parse_args(argv))
 
 
-def check_args(args):
-    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
-    checked here, right after parsing, before any process waits for another."""
-    args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
-    args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
-    if args.epochs == 0 and not (args.evaluate or args.benchmark):
-        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
-    if args.val_resize < args.crop_size:
-        raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
-                        f"crop would be padded with black; give --val-resize {args.crop_size} or more")
-    return args
-
-
 # =============================================================================================
 # The launcher part: torchrun, the process group, DDP, apex's precision. Every sibling defines these names, with
 # these parameters, its own way: find_processes, check_launch_args, start_process_group,
@@ -668,6 +655,19 @@ class Preemption:
 
 
 # --- Checks before training, and the model -------------------------------------------------
+def check_args(args):
+    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
+    checked here, right after parsing, before any process waits for another."""
+    args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
+    args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
+    if args.epochs == 0 and not (args.evaluate or args.benchmark):
+        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+    if args.val_resize < args.crop_size:
+        raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
+                        f"crop would be padded with black; give --val-resize {args.crop_size} or more")
+    return args
+
+
 def check_and_load(args, world_size, device):
     """Everything that can fail on bad input, done before any process waits for another. Returns the
     datasets, the model (the same initial weights on every rank), the checkpoint's path and the checkpoint."""

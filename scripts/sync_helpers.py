@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "distributed.py"
 # the launcher interface: every ImageNet sibling defines these, its own way or with the reference's text
-INTERFACE = ["parse_args", "check_args", "find_processes", "check_launch_args", "start_process_group",
+INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process_group",
              "end_process_group", "describe_processes", "prepare_model", "build_optimizer", "setup_precision",
              "wrap_model", "train_step", "reduce_tensor", "gather_objects", "gather_rng_states", "sync_buffers",
              "sum_async", "main"]
@@ -25,11 +25,12 @@ INTERFACE = ["parse_args", "check_args", "find_processes", "check_launch_args", 
 FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"]
 # the appendix
 APPENDIX = ["UserError", "RankError", "Parser", "number", "exit_bad_input", "join_process_group", "Preemption",
-            "check_and_load", "check_model", "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN",
-            "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate", "build_datasets",
-            "build_loaders", "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher", "accuracy", "Metrics",
-            "write_epoch", "benchmark", "set_seed", "rng_state", "set_rng_state", "atomic_write", "save_checkpoint",
-            "resume_path", "load_checkpoint", "check_fit", "check_same_checkpoint"]
+            "check_args", "check_and_load", "check_model", "build_model", "param_groups", "lr_factor",
+            "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate",
+            "build_datasets", "build_loaders", "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher",
+            "accuracy", "Metrics", "write_epoch", "benchmark", "set_seed", "rng_state", "set_rng_state",
+            "atomic_write", "save_checkpoint", "resume_path", "load_checkpoint", "check_fit",
+            "check_same_checkpoint"]
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
 # the reference's text

@@ -71,8 +71,8 @@ CASES = {
                                                           r"MASTER_PORT: start the script with torchrun, or unset them",
                                       {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}),
     "resume checkpoint of other classes": (1, lambda d, t: [d, "--resume", checkpoint(t, num_classes=10)],
-                                           r"ckpt.pth.tar has 10 classes, .*data has 4: resume with the data it was "
-                                           r"trained on, or train without --resume"),
+                                           r"ckpt.pth.tar has 10 classes, .*imagefolder0 has 4: resume with the data "
+                                           r"it was trained on, or train without --resume"),
     "resume checkpoint of another script": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="unet3d")],
                                             r"holds a unet3d model, not a torchvision classification model: it is "
                                             r"another script's checkpoint; resume it with that script"),
