@@ -75,7 +75,7 @@ def parse_args(argv=None):
     add("--epochs", type=number(int, 0), default=90)
     add("-b", "--batch-size", type=number(int, 1), default=256,
         help="global batch over all processes; divides by the world size")
-    add("--lr", type=number(float, above=0), default=0.1, help="learning rate for the global batch")
+    add("--lr", type=number(float, 0), default=0.1, help="learning rate for the global batch")
     add("--momentum", type=number(float, 0, below=1), default=0.9)
     add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
     add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")

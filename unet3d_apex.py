@@ -88,7 +88,7 @@ def parse_args(argv=None):
     add("-b", "--batch-size", type=number(int, 1), default=4,
         help="global batch of patches over all processes; must divide by the world size")
     add("--eval-batch", type=number(int, 1), default=2, help="tiles per forward pass when evaluating whole volumes")
-    add("--lr", type=number(float, above=0), default=2e-4, help="Adam learning rate")
+    add("--lr", type=number(float, 0), default=2e-4, help="Adam learning rate")
     add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
     add("--milestones", type=number(int, 1), nargs="*", default=(60, 80),
         help="epochs at which MultiStepLR multiplies the lr by --gamma")

@@ -96,4 +96,4 @@ def test_one_line_and_exit_code_2_from_the_command_line(tmp_path):
     done = subprocess.run([sys.executable, ROOT / "distributed.py", "--dummy", "--lr", "-1"], capture_output=True,
                           text=True, cwd=tmp_path)
     assert done.returncode == 2 and done.stdout == "", done
-    assert done.stderr == "error: argument --lr: -1 is out of range: give a number > 0 (see --help)\n"
+    assert done.stderr == "error: argument --lr: -1 is out of range: give a number >= 0 (see --help)\n"
