@@ -25,7 +25,9 @@ process group, wrapping the model, one optimizer step, sums over processes); the
 """
 import argparse
 import contextlib
+import ctypes
 import datetime
+import fcntl
 import functools
 import inspect
 import json
@@ -150,6 +152,7 @@ def find_processes(args, local_index):
             raise UserError(f"--procs-per-node needs one task per node, not {ntasks} tasks on "
                             f"{os.environ['SLURM_NNODES']} nodes: srun --ntasks-per-node=1")
         rank, local_rank = nodeid * args.procs_per_node + local_index, local_index
+        die_with_parent(signal.SIGTERM)  # this task's process killed (-9, the OOM killer): a preemption
         world_size = ntasks * args.procs_per_node
     else:
         rank, local_rank, world_size = procid, localid, ntasks
@@ -380,6 +383,7 @@ def main_worker(args, local_index=None):
     log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
 
     train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
+    output_lock = claim_output_dir(args, rank, log)  # held until this process ends
     set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
     group = start_process_group(args, rank, world_size, device, log)
     check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
@@ -411,8 +415,6 @@ def main_worker(args, local_index=None):
             f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
         return None
 
-    if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
     show_bar = rank == 0 and sys.stdout.isatty()
     try:
@@ -446,6 +448,8 @@ def main_worker(args, local_index=None):
     finally:
         if writer:
             writer.close()
+        if output_lock:
+            output_lock.close()
     return None
 
 
@@ -638,6 +642,14 @@ def join_process_group(args, store, rank, world_size, device):
         raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
                         f"a rank elsewhere may have stopped (see the output of every node), or was never started"
                         ) from None
+
+
+def die_with_parent(signum):
+    """Asks Linux to send this process `signum` once the process that started it is gone (prctl's
+    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
+    training process save its preemption checkpoint on the way out."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
 
 
 class Preemption:
@@ -930,13 +942,24 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     """(train sampler, train batches, validation batches): loaders whose workers decode and crop, behind
     Prefetchers that put the batches on the device. Each rank takes its share of both sets."""
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
-                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate)
+                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate,
+                       worker_init_fn=start_loader_worker)
     train_data = SeededSamples(train_set)
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
     return (train_sampler, Prefetcher(train_loader, device, args.channels_last),
             Prefetcher(val_loader, device, args.channels_last))
+
+
+def start_loader_worker(worker_id):
+    """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
+    workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
+    its preemption checkpoint: workers ignore both (the training process stops them itself). A worker ends with
+    its training process, even one killed with -9."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
 
 
 class TrainSampler(DistributedSampler):
@@ -1123,12 +1146,61 @@ def atomic_write(path, write):
         os.close(dir_fd)
 
 
+def claim_output_dir(args, rank, log):
+    """Rank 0 of a training run makes --output-dir and locks it until it ends, so that a second run given the
+    same folder stops at once instead of writing over this one's checkpoints. The lock is the kernel's (lockf):
+    a run that crashed or was killed holds it no more. Returns the open lock file, None on other ranks."""
+    if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
+        return None
+    path = os.path.join(args.output_dir, "run.lock")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError as e:
+        what = "a file of that name is in the way" if isinstance(e, FileExistsError) else e.strerror
+        raise UserError(f"--output-dir {args.output_dir} cannot be used ({what}): give a folder this user can "
+                        f"write to") from None
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        lock.seek(0)
+        holder = lock.read().strip() or "a process on another node"
+        lock.close()
+        raise UserError(f"--output-dir {args.output_dir} is in use by another run ({holder}): give another "
+                        f"--output-dir, or wait for that run to end") from None
+    except OSError as e:  # a filesystem without locks
+        log(f"note: cannot lock --output-dir {args.output_dir} ({e.strerror}); make sure no other run uses it")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
+
+
+def tensor_bytes(obj):
+    """Bytes of all the tensors in a nested state dict: about the size of its file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
 def save_checkpoint(state, is_best, output_dir):
+    """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
+    gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
     path = os.path.join(output_dir, "checkpoint.pth.tar")
-    atomic_write(path, lambda f: torch.save(state, f))
-    if is_best:
-        with open(path, "rb") as src:
-            atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
+    try:
+        atomic_write(path, lambda f: torch.save(state, f))
+        if is_best:
+            with open(path, "rb") as src:
+                atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        need, free = tensor_bytes(state) / 2**20, shutil.disk_usage(output_dir).free / 2**20
+        reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
+                  else str(e).strip().splitlines()[-1][:100])
+        raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
+                        f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
+                        f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
+                        ) from None
 
 
 def resume_path(args):

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,8 @@ RESUME = [*FAST, "--deterministic", "-p", "1"]
 EPOCHS = 4
 CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
                    "world_size", "rng_states", "train_sums"}
+# what a training run leaves in --output-dir (run.lock: the lock a second run given the folder stops at)
+OUTPUT_FILES = ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "run.lock", "tb"]
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
 
 
@@ -52,8 +55,11 @@ class Job:
         self.marker = f"{os.getpid()}.{next(Job.count)}"
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TEST_JOB": self.marker,
                     **{k: str(v) for k, v in (env or {}).items()}}
+        # SIGINT as a terminal leaves it: pytest started as a background job (`bash -c 'pytest &'`) ignores it,
+        # and its children would inherit that, so a test of Ctrl-C would measure how the suite was started
         self.proc = subprocess.Popen(self.cmd, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines = []
         Job.started.append(self)
 
@@ -232,7 +238,7 @@ def assert_learned(out, epochs):
     assert len(events) == 1, events
     tb = EventAccumulator(str(events[0])).Reload()
     assert [e.value for e in tb.Scalars("val_acc1")] == pytest.approx([r["val_acc1"] for r in rows])
-    assert sorted(os.listdir(out)) == ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "tb"]
+    assert sorted(os.listdir(out)) == OUTPUT_FILES
     ckpt = load(out / "checkpoint.pth.tar")
     assert set(ckpt) == CHECKPOINT_KEYS
     assert (ckpt["epoch"], ckpt["step"], ckpt["arch"]) == (epochs, 0, "resnet18")
@@ -240,10 +246,11 @@ def assert_learned(out, epochs):
     return ckpt
 
 
-def assert_preempted(job, out):
+def assert_preempted(job, out, launcher_stopped=False):
     """A job signalled during epoch 0 exits 0, with a checkpoint at the step where every rank stopped.
-    Returns that step."""
-    ok(job)
+    Returns that step. launcher_stopped: the launcher itself was signalled, and exits with its own code."""
+    job.finish()
+    assert launcher_stopped or job.returncode == 0, job.output
     stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", job.output)
     assert stop, job.output
     ckpt = load(out / "checkpoint.pth.tar")

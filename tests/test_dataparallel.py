@@ -1,5 +1,6 @@
 """dataparallel.py on CPU (one process, the plain model): learns, equals distributed.py with one
 process, resumes after SIGTERM, and shares checkpoints with distributed.py both ways."""
+import os
 import re
 import signal
 
@@ -35,9 +36,9 @@ def test_equals_distributed_py_with_one_process_also_when_preempted_and_resumed(
     the same weights, even across a SIGTERM and --resume auto."""
     args = [image_data, *RESUME, "--epochs", "2"]
     ok(python("distributed.py", *args, "--output-dir", tmp_path / "reference"))
-    job = python(SCRIPT, *args, "--output-dir", tmp_path / "dp")
+    job = python(SCRIPT, *args, "-j", "2", "--output-dir", tmp_path / "dp")
     job.wait_for_line("Epoch 0 [ 1/12]")
-    job.proc.send_signal(signal.SIGTERM)
+    os.killpg(job.proc.pid, signal.SIGTERM)  # loader workers get it too
     step = assert_preempted(job, tmp_path / "dp")
     resumed = ok(python(SCRIPT, *args, "--resume", "auto", "--output-dir", tmp_path / "dp"))
     assert f"(epoch 0, step {step})" in resumed.output

@@ -11,7 +11,8 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, EPOCHS, RESUME, ROOT, Job, assert_same_run, import_script, load, metrics, ok, python
+from conftest import (BIN, EPOCHS, OUTPUT_FILES, RESUME, ROOT, Job, assert_same_run, import_script, load, metrics, ok,
+                      python)
 
 SCRIPT = "distributed_slurm_main.py"
 BASE = os.environ.get("LOCAL_SLURM_BASE", "/tmp/pytorch-multigpu-slurm")
@@ -106,7 +107,7 @@ def test_one_task_per_process_on_two_nodes_equals_torchrun(slurm, image_data, tm
     assert_same_run(tmp_path, uninterrupted)
     rows = metrics(tmp_path)
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] and max(r["val_acc1"] for r in rows) > 40, rows  # chance: 25
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "tb"]
+    assert sorted(os.listdir(tmp_path)) == OUTPUT_FILES
 
 
 def test_one_task_per_node_spawning_two_processes_equals_torchrun(slurm, image_data, tmp_path, uninterrupted):

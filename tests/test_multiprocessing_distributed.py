@@ -4,8 +4,8 @@ every process on Ctrl-C or when a worker dies."""
 import os
 import signal
 
-from conftest import (EPOCHS, RESUME, assert_learned, assert_preempted, assert_same_run, free_port, load, metrics, ok,
-                      python, spawn)
+from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, free_port, load,
+                      metrics, ok, python, spawn)
 
 SCRIPT = "multiprocessing_distributed.py"
 SHORT = [*RESUME, "-p", "1000", "--epochs", "1"]
@@ -22,10 +22,10 @@ def test_spawned_processes_learn_and_equal_torchrun(image_data, tmp_path, uninte
     assert_same_run(tmp_path, uninterrupted)
 
 
-def test_sigterm_to_the_parent_reaches_every_worker_and_resume_auto_continues(image_data, tmp_path, uninterrupted):
-    job = spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path)
+def test_sigterm_to_the_job_with_loader_workers_saves_and_resume_auto_continues(image_data, tmp_path, uninterrupted):
+    job = spawn(SCRIPT, 2, image_data, *RESUME, "-j", "2", "--epochs", EPOCHS, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
-    job.proc.send_signal(signal.SIGTERM)  # what `kill` or a scheduler sends the process it started
+    os.killpg(job.proc.pid, signal.SIGTERM)  # a scheduler's stop: the parent, its workers and their loader workers
     step = assert_preempted(job, tmp_path)
     resumed = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto",
                        "--output-dir", tmp_path))
@@ -59,6 +59,14 @@ def test_a_killed_worker_ends_the_job_with_its_error(image_data, tmp_path):
     job.finish(timeout=90)  # fails if any process (worker, DataLoader worker) is left behind
     assert job.returncode == 1, job.output
     assert "error: worker 1 on this node terminated with signal SIGKILL" in job.output, job.output
+
+
+def test_a_killed_parent_leaves_no_process_behind_and_a_checkpoint(image_data, tmp_path):
+    """kill -9 or the OOM killer on the parent: the kernel sends the workers SIGTERM (PR_SET_PDEATHSIG)."""
+    job = spawn(SCRIPT, 2, image_data, *FAST, "-j", "1", "-p", "1", "--epochs", "3", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    job.proc.kill()
+    assert_preempted(job, tmp_path, launcher_stopped=True)
 
 
 def test_ctrl_c_stops_every_process(image_data, tmp_path):

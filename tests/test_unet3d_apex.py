@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import import_script, load, metrics, ok, python, torchrun
+from conftest import OUTPUT_FILES, import_script, load, metrics, ok, python, torchrun
 from test_bad_input import broken_copy
 
 SCRIPT = "unet3d_apex.py"
@@ -75,7 +75,7 @@ def test_two_processes_learn_synthetic_spheres(trained):
     assert [e.value for e in tb.Scalars("val_dice")] == pytest.approx([r["val_dice"] for r in rows])
     assert {"val/input", "val/ground_truth", "val/prediction"} <= set(tb.Tags()["images"])
     assert len(tb.Images("val/prediction")) == 4
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "tb"]
+    assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES
 
 
 def test_checkpoint_is_complete_and_loads_into_a_plain_model(trained):
