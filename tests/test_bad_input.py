@@ -2,12 +2,13 @@
 import re
 import shutil
 import socket
+import subprocess
 
 import pytest
 import torch
 import torchvision
 
-from conftest import FAST, error_lines, free_port, python, spawn, torchrun
+from conftest import FAST, OUTPUT_FILES, error_lines, free_port, load, ok, python, spawn, torchrun
 
 SCRIPT = "distributed.py"
 
@@ -198,3 +199,59 @@ def test_gpus_naming_one_gpu_twice(script, image_data, tmp_path):
     traceback before; checked before CUDA is looked at, so this machine without GPUs sees it too."""
     job = python(script, image_data, *FAST, "--gpus", "1,0,1", "--output-dir", tmp_path).finish(60)
     assert_one_clear_line(job, r"--gpus 1,0,1 names GPU 1 more than once: list each GPU once")
+
+
+@pytest.fixture(scope="module")
+def small_disk(tmp_path_factory):
+    """mount(size, read_only=False): a folder on a tmpfs of its own (the tests run as root, as in CI)."""
+    mounted = []
+
+    def mount(size, read_only=False):
+        folder = tmp_path_factory.mktemp("disk")
+        options = f"size={size}" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", folder], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", folder], check=True)
+
+
+@pytest.mark.parametrize("script, case", [(SCRIPT, "a file"), (SCRIPT, "under a file"), (SCRIPT, "read-only"),
+                                          ("unet3d_apex.py", "a file")])
+def test_an_output_folder_that_cannot_be_used_is_one_clear_line(script, case, small_disk, image_data, tmp_path):
+    (tmp_path / "file").write_text("")
+    folder = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "out",
+              "read-only": small_disk("1m", read_only=True) if case == "read-only" else None}[case]
+    reason = {"a file": "a file of that name is in the way", "under a file": "Not a directory",
+              "read-only": "Read-only file system"}[case]
+    data = [image_data, *FAST] if script == SCRIPT else ["--synthetic"]  # stopped before any data is read
+    job = python(script, *data, "--epochs", "1", "--output-dir", folder).finish(120)
+    assert_one_clear_line(job, rf"--output-dir {re.escape(str(folder))} cannot be used \({reason}\): give a folder "
+                               r"this user can write to")
+
+
+def test_a_disk_that_fills_up_keeps_the_last_checkpoint_and_says_how_much_room_is_needed(small_disk, image_data):
+    """resnet18's checkpoint (weights and momentum) takes 85 MiB: epoch 0 writes it and its copy as the best,
+    epoch 1 runs out of room while it writes the next beside them."""
+    out = small_disk("200m")
+    job = python(SCRIPT, image_data, *FAST, "--epochs", "2", "--output-dir", out).finish(120)
+    assert_one_clear_line(job, rf"cannot write a checkpoint to {out} \(no space left\): a checkpoint takes about "
+                               r"85 MiB \(twice that while it replaces the last one\), \d+ MiB are free there; make "
+                               r"room or give another --output-dir \(the last checkpoint is kept\)")
+    assert load(out / "checkpoint.pth.tar")["epoch"] == 1
+    assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES  # no partial file left
+
+
+def test_a_second_run_in_the_same_output_folder_is_refused_and_a_killed_run_leaves_no_lock(image_data, tmp_path):
+    first = python(SCRIPT, image_data, *FAST, "-p", "1", "--epochs", "50", "--output-dir", tmp_path)
+    first.wait_for_line("Epoch 0 [ 1/12]")
+    second = torchrun(SCRIPT, 2, image_data, *FAST, "--epochs", "1", "--output-dir", tmp_path).finish(120)
+    holder = rf"pid {first.proc.pid} on {re.escape(socket.gethostname())}, since [\d: -]+"
+    assert_one_clear_line(second, rf"--output-dir {tmp_path} is in use by another run \({holder}\): give another "
+                                  r"--output-dir, or wait for that run to end", launcher_reports=True)
+    first.kill()
+    ok(python(SCRIPT, image_data, *FAST, "--epochs", "1", "--output-dir", tmp_path))
