@@ -300,7 +300,7 @@ def main_worker(args, local_index=None):
     log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
 
     train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, rank, world_size, device)
-    output_lock = claim_output_dir(args, rank, log)  # held until this process ends
+    output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
     set_seed(args.seed + rank)  # check_and_load seeded the same initial weights everywhere; from here, per rank
     group = start_process_group(args, rank, world_size, device, log)
     check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
@@ -364,11 +364,11 @@ def main_worker(args, local_index=None):
                 log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; "
                     f"continue with --resume auto")
                 return preemption.signum
+    except RuntimeError as e:  # a collective that gave up waiting for a rank
+        raise stopped_answering(e, args) from None
     finally:
         if writer:
             writer.close()
-        if output_lock:
-            output_lock.close()
     return None
 
 
@@ -903,6 +903,17 @@ def number(kind, at_least=None, above=None, below=None):
 
     convert.bounds = (kind, at_least, above, below)
     return convert
+
+
+def stopped_answering(error, args):
+    """What to raise for a RuntimeError out of training: a collective that timed out, since a rank stopped
+    answering (frozen, stuck in I/O, on a node gone quiet), becomes one line; any other error stays itself."""
+    if not any(words in str(error).lower() for words in ("timed out", "timeout")):
+        return error
+    detail = str(error).strip().splitlines()[-1].split("] ")[-1][:100]  # without gloo's source location
+    return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
+                     f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
+                     f"--dist-timeout to notice sooner")
 
 
 def exit_bad_input(error, reporter):

@@ -24,8 +24,10 @@ INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process
 # the training flow, the same text in every ImageNet sibling
 FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"]
 # the appendix
-APPENDIX = ["UserError", "RankError", "Parser", "number", "exit_bad_input", "join_process_group", "die_with_parent",
-            "Preemption", "check_args", "check_and_load", "check_model", "build_model", "param_groups", "lr_factor",
+APPENDIX = ["UserError", "RankError", "Parser", "number", "stopped_answering", "exit_bad_input",
+            "join_process_group", "die_with_parent", "Preemption", "check_args", "check_and_load", "check_model",
+            "build_model", "param_groups",
+            "lr_factor",
             "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate",
             "build_datasets", "build_loaders", "start_loader_worker", "TrainSampler", "SeededSamples", "ShardSampler",
             "Prefetcher",

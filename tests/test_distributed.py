@@ -3,6 +3,7 @@ evaluation, equivalence across process counts, resume, preemption and faults."""
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torchvision
 
 from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run,
                       assert_same_tensors, load, metrics, ok, python, torchrun)
+from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
 
@@ -120,6 +122,20 @@ def test_a_signal_to_torchrun_ends_in_the_preemption_checkpoint_with_loader_work
     job.proc.send_signal(signum)
     assert_preempted(job, tmp_path, launcher_stopped=True)
     assert "DataLoader worker" not in job.output
+
+
+def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line(image_data, tmp_path):
+    """A rank that stops answering but does not die (SIGSTOP: as if stuck in I/O or a driver call): the others
+    give up after --dist-timeout and say so; torchrun kills the frozen one 30 s after asking it to stop."""
+    job = torchrun(SCRIPT, 2, image_data, *FAST, "-p", "1", "--epochs", "3", "--dist-timeout", "10",
+                   "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 2/12]")
+    job.process_of_rank(1).send_signal(signal.SIGSTOP)
+    started = time.time()
+    job.finish(timeout=120)
+    assert job.returncode != 0 and time.time() - started < 10 + 30 + 15, job.output
+    assert_one_clear_line(job, r"a rank stopped answering: this one waited --dist-timeout 10s for it \(.*\); find "
+                               r"the stuck process", launcher_reports=True)
 
 
 def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, tmp_path, uninterrupted):
