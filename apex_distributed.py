@@ -120,8 +120,8 @@ def find_processes(args, local_index):
     without it. local_index: the process's index on its node, where the script starts the processes itself."""
     present = [v for v in TORCHRUN_VARS if v in os.environ]
     if set(present) & {"RANK", "LOCAL_RANK", "WORLD_SIZE"} and len(present) < len(TORCHRUN_VARS):
-        # exported by hand, or left over from another job (a rendezvous address alone is harmless)
-        raise UserError(f"{', '.join(present)} set but not {', '.join(v for v in TORCHRUN_VARS if v not in present)}:"
+        # exported by hand or left from another job (an address alone is harmless); no launcher: this one reports
+        raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in TORCHRUN_VARS if v not in present)}:"
                         f" start the script with torchrun, or unset them to run one process")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))

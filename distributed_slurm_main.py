@@ -122,7 +122,7 @@ def slurm_task():
                             f"tasks: start the training with srun python {os.path.basename(__file__)} ...")
         return 0, 1, 0, 0
     if present and len(present) < len(SLURM_VARS):
-        raise UserError(f"{', '.join(present)} set but not {', '.join(v for v in SLURM_VARS if v not in present)}: "
+        raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in SLURM_VARS if v not in present)}: "
                         f"start the script with srun, or unset the SLURM_* variables to run one process")
     return tuple(int(env[v]) for v in SLURM_VARS[2:]) if present else (0, 1, 0, 0)
 

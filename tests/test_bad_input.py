@@ -71,6 +71,9 @@ CASES = {
     "torchrun's variables half set": (1, lambda d, t: [d], r"WORLD_SIZE, MASTER_ADDR set but not RANK, LOCAL_RANK, "
                                                           r"MASTER_PORT: start the script with torchrun, or unset them",
                                       {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}),
+    "LOCAL_RANK without RANK": (1, lambda d, t: [d], r"LOCAL_RANK set but not RANK, WORLD_SIZE, MASTER_ADDR, "
+                                                    r"MASTER_PORT: start the script with torchrun",
+                                {"LOCAL_RANK": "1"}),
     "resume checkpoint of other classes": (1, lambda d, t: [d, "--resume", checkpoint(t, num_classes=10)],
                                            r"ckpt.pth.tar has 10 classes, .*imagefolder0 has 4: resume with the data "
                                            r"it was trained on, or train without --resume"),

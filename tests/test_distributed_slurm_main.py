@@ -153,7 +153,7 @@ def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     submitted = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", *resources,
                               "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={log}",
                               sbatch_example(example, tmp_path), image_data,
-                              *RESUME, "--epochs", EPOCHS, *args, "--output-dir", out, check=True)
+                              *RESUME, "-j", "2", "--epochs", EPOCHS, *args, "--output-dir", out, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.time() + 300
     while "Epoch 0 [ 3/12]" not in (log.read_text() if log.exists() else ""):
@@ -171,12 +171,13 @@ def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
 
 
 def test_scancel_checkpoints_but_does_not_requeue(slurm, image_data, tmp_path):
-    """scancel sends SIGTERM: the job saves its position and stays cancelled (a requeue would undo scancel)."""
+    """scancel sends SIGTERM to every process of the step, loader workers included: the job saves its position
+    and stays cancelled (a requeue would undo scancel)."""
     log = tmp_path / "job.log"
     job_id = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", "--requeue", "-N1", "-n2",
                            f"--chdir={ROOT}", f"--output={log}", "--wrap",
                            f"srun --kill-on-bad-exit=1 {sys.executable} {SCRIPT} {image_data} {' '.join(RESUME)} "
-                           f"--epochs 3 --output-dir {tmp_path}", check=True).stdout.strip().split(";")[0]
+                           f"-j 2 --epochs 3 --output-dir {tmp_path}", check=True).stdout.strip().split(";")[0]
     deadline = time.time() + 300
     while "Epoch 0 [ 2/12]" not in (log.read_text() if log.exists() else ""):
         assert time.time() < deadline, log.read_text() if log.exists() else "no log"
