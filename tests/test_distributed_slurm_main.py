@@ -73,8 +73,10 @@ def srun(env, srun_args, *args):
     return Job(["srun", "--kill-on-bad-exit=1", *srun_args, sys.executable, ROOT / SCRIPT, *args], env=env)
 
 
-def slurm_command(slurm, *cmd, **kwargs):
-    return subprocess.run([str(c) for c in cmd], env={**os.environ, **slurm}, capture_output=True, text=True, **kwargs)
+def slurm_command(slurm, *cmd, check=False, **kwargs):
+    done = subprocess.run([str(c) for c in cmd], env={**os.environ, **slurm}, capture_output=True, text=True, **kwargs)
+    assert not check or done.returncode == 0, f"{' '.join(map(str, cmd))}: {done.stderr}"  # with Slurm's reason
+    return done
 
 
 def wait_for_job(slurm, job_id, log, timeout):
