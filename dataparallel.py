@@ -20,12 +20,14 @@ process group, wrapping the model, one optimizer step, sums over processes); the
 (main -> main_worker -> train_one_epoch / evaluate); an appendix of the helpers every script carries.
 """
 import argparse
+import atexit
 import contextlib
 import ctypes
 import fcntl
 import functools
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -817,6 +819,7 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
                        pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate,
                        worker_init_fn=start_loader_worker)
+    atexit.register(end_loader_workers)
     train_data = SeededSamples(train_set)
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
@@ -833,6 +836,17 @@ def start_loader_worker(worker_id):
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+
+
+def end_loader_workers():
+    """At exit, before multiprocessing's own exit hook (registered earlier, so run later), which stops daemonic
+    children with SIGTERM and waits for them: loader workers ignore SIGTERM, and when an uncaught exception has
+    kept a loader alive, that hook would wait forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
+    for worker in workers:
+        worker.kill()
 
 
 class TrainSampler(DistributedSampler):

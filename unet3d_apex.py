@@ -28,6 +28,7 @@ process group, wrapping the model, one optimizer step, sums over processes); the
 and metrics, checks and checkpoints); an appendix of the helpers every script carries.
 """
 import argparse
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -37,6 +38,7 @@ import inspect
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -751,6 +753,7 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     the whole volumes, which DevicePrefetchers put on the device."""
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
                        worker_init_fn=start_loader_worker)
+    atexit.register(end_loader_workers)
     train_data = SeededSamples(RandomPatches(train_set, args.patch_size, args.patches_per_volume))
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, batch_size=args.batch_size // world_size, sampler=train_sampler,
@@ -1011,6 +1014,17 @@ def start_loader_worker(worker_id):
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+
+
+def end_loader_workers():
+    """At exit, before multiprocessing's own exit hook (registered earlier, so run later), which stops daemonic
+    children with SIGTERM and waits for them: loader workers ignore SIGTERM, and when an uncaught exception has
+    kept a loader alive, that hook would wait forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
+    for worker in workers:
+        worker.kill()
 
 
 class TrainSampler(DistributedSampler):
