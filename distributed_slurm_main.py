@@ -29,7 +29,6 @@ import contextlib
 import ctypes
 import datetime
 import fcntl
-import functools
 import inspect
 import json
 import math
@@ -203,11 +202,10 @@ def start_process_group(args, rank, world_size, device, log):
 
 
 def end_process_group():
-    """Frees the process group while Python is whole, which joins gloo's worker threads. Left to interpreter
-    shutdown, a worker still releasing a finished collective's tensors needs the GIL and aborts the process
-    ("terminate called without an active exception"). The group is freed only when nothing else holds it:
-    so the preemption handlers, which hold it, go first, and torch._dynamo is imported at the top (torch 2.14
-    keeps references to a group that exists when it is first imported, as DDP does)."""
+    """Frees the process group while Python is whole, joining gloo's worker threads (left to shutdown, one
+    still releasing a collective's tensors needs the GIL and aborts: "terminate called without an active
+    exception"). Freed only when nothing else holds it: the preemption handlers go first, and torch._dynamo is
+    imported at the top (torch 2.14 keeps references to a group that exists when it is first imported)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
     if dist.is_initialized():
@@ -382,7 +380,7 @@ def main_worker(args, local_index=None):
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
     torch.backends.cudnn.benchmark = not args.deterministic
     rank, local_rank, world_size, device = find_processes(args, local_index)
-    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
+    log = print_or_drop if rank == 0 else (lambda *a, **k: None)
 
     train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
     output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
@@ -1099,6 +1097,15 @@ class Metrics:
         n_ = max(n, 1)
         return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_,
                 "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
+
+
+def print_or_drop(*values):
+    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
+    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
+    try:
+        print(*values, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def write_epoch(row, writer, output_dir):

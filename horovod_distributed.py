@@ -22,7 +22,6 @@ import atexit
 import contextlib
 import ctypes
 import fcntl
-import functools
 import json
 import math
 import multiprocessing
@@ -101,9 +100,15 @@ def parse_args(argv=None):
 # end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
 # wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
 # =============================================================================================
+# what horovodrun (gloo) gives each process; HOROVOD_CONTROLLER and the like are harmless alone
+HOROVODRUN_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+                   "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+
+
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from Horovod, or one process when started
     without horovodrun."""
+    check_horovodrun_env()
     hvd.init()
     rank, local_rank, world_size = hvd.rank(), hvd.local_rank(), hvd.size()
     if not torch.cuda.is_available():
@@ -113,6 +118,26 @@ def find_processes(args, local_index):
                         f"start at most that many processes per host (-H host:N)")
     torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", local_rank)
+
+
+def check_horovodrun_env():
+    """horovodrun's variables exported by hand or left from a horovodrun that has ended: hvd.init() would abort
+    the interpreter (SIGABRT and a C++ message, after 5 s for a rendezvous that is gone, 30 s for a rank
+    without peers). A RankError: whatever HOROVOD_LOCAL_RANK says, no launcher started other processes."""
+    present = [v for v in HOROVODRUN_VARS if v in os.environ]
+    if not present or os.environ.get("HOROVOD_ELASTIC") == "1":
+        return
+    missing = [v for v in HOROVODRUN_VARS if v not in os.environ]
+    if missing:
+        raise RankError(f"{', '.join(present)} set but not {', '.join(missing)}: start the script with horovodrun, "
+                        f"or unset the HOROVOD_* variables to run one process")
+    address = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"], os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+    try:
+        socket.create_connection((address[0], int(address[1])), timeout=10).close()
+    except (OSError, ValueError) as e:
+        raise RankError(f"Horovod's rendezvous {':'.join(address)} (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) does not "
+                        f"answer ({getattr(e, 'strerror', None) or e}): the HOROVOD_* variables are left from a "
+                        f"horovodrun that has ended; start the script with horovodrun, or unset them") from None
 
 
 def check_launch_args(args, world_size, device):
@@ -262,7 +287,7 @@ def main_worker(args, local_index=None):
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
     torch.backends.cudnn.benchmark = not args.deterministic
     rank, local_rank, world_size, device = find_processes(args, local_index)
-    log = functools.partial(print, flush=True) if rank == 0 else (lambda *a, **k: None)
+    log = print_or_drop if rank == 0 else (lambda *a, **k: None)
 
     train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
     output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
@@ -951,6 +976,15 @@ class Metrics:
         n_ = max(n, 1)
         return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_,
                 "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
+
+
+def print_or_drop(*values):
+    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
+    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
+    try:
+        print(*values, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def write_epoch(row, writer, output_dir):

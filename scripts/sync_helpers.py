@@ -26,15 +26,12 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"
 # the appendix
 APPENDIX = ["UserError", "RankError", "Parser", "number", "stopped_answering", "exit_bad_input",
             "join_process_group", "die_with_parent", "Preemption", "check_args", "check_and_load", "check_model",
-            "build_model", "param_groups",
-            "lr_factor",
-            "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image", "RandomResizedCropFlip", "collate",
-            "build_datasets", "build_loaders", "start_loader_worker", "end_loader_workers",
-            "TrainSampler", "SeededSamples", "ShardSampler",
-            "Prefetcher",
-            "accuracy", "Metrics", "write_epoch", "benchmark", "set_seed", "rng_state", "set_rng_state",
-            "atomic_write", "claim_output_dir", "tensor_bytes", "save_checkpoint", "resume_path", "load_checkpoint",
-            "check_fit", "check_same_checkpoint"]
+            "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages",
+            "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "build_loaders",
+            "start_loader_worker", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
+            "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "set_seed",
+            "rng_state", "set_rng_state", "atomic_write", "claim_output_dir", "tensor_bytes", "save_checkpoint",
+            "resume_path", "load_checkpoint", "check_fit", "check_same_checkpoint"]
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
 # the reference's text

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from conftest import BIN, CHECKPOINT_KEYS, FAST, ROOT, Job, assert_same_tensors, load, metrics, ok, python, torchrun
+from conftest import (BIN, CHECKPOINT_KEYS, FAST, ROOT, Job, assert_same_tensors, free_port, import_script, load,
+                      metrics, ok, python, torchrun)
+from test_bad_input import assert_one_clear_line
 from test_distributed import val_line
 
 SCRIPT = "horovod_distributed.py"
@@ -70,10 +72,29 @@ def test_horovod_gives_the_weights_of_ddp(extra, image_data, tmp_path, ddp_weigh
     assert_same_tensors(load(tmp_path / "checkpoint.pth.tar")["state_dict"], ddp_weights, exact=False, **TOLERANCE)
 
 
-def test_sigterm_on_one_rank_checkpoints_mid_epoch(image_data, tmp_path):
-    job = horovodrun(2, image_data, *FAST, "-p", "1", "--epochs", "3", "--output-dir", tmp_path)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_to_horovodrun_ends_in_the_preemption_checkpoint_with_loader_workers(signum, image_data, tmp_path):
+    """SIGTERM to horovodrun: it passes SIGTERM to each training process and kills what is left 5 s later.
+    SIGKILL: its per-rank middlemen notice and do the same. Loader workers must not bring their rank down first;
+    nothing may be left (Job.finish checks). After SIGKILL, horovodrun's output is gone with it."""
+    job = horovodrun(2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "3", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
-    job.process_of_rank(1, "HOROVOD_RANK").send_signal(signal.SIGTERM)
-    ok(job)
+    job.proc.send_signal(signum)
+    job.finish(timeout=120)
     ckpt = load(tmp_path / "checkpoint.pth.tar")
-    assert re.search(rf"preempted: saved .* at epoch 0 step {ckpt['step']};", job.output) and ckpt["step"] > 0
+    assert (ckpt["epoch"], ckpt["world_size"]) == (0, 2) and 0 < ckpt["step"] < 12, job.output
+    if signum == signal.SIGTERM:
+        assert re.search(rf"preempted: saved .* at epoch 0 step {ckpt['step']};", job.output), job.output
+
+
+@pytest.mark.parametrize("left", ["all", "some"])
+def test_horovodrun_variables_left_from_another_job_are_one_clear_line(left, image_data, tmp_path):
+    env = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}
+    if left == "all":
+        env = {name: "0" for name in import_script(SCRIPT).HOROVODRUN_VARS} | env
+        env |= {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": free_port()}
+    job = python(SCRIPT, image_data, *FAST, "--epochs", "1", "--output-dir", tmp_path, env=env).finish(60)
+    expected = (r"Horovod's rendezvous 127.0.0.1:\d+ \(HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT\) does not answer \(.*\): "
+                r"the HOROVOD_\* variables are left from a horovodrun that has ended" if left == "all" else
+                r"HOROVOD_RANK, HOROVOD_SIZE set but not HOROVOD_LOCAL_RANK, .*: start the script with horovodrun")
+    assert_one_clear_line(job, expected)
