@@ -125,7 +125,24 @@ def slurm_task():
     if present and len(present) < len(SLURM_VARS):
         raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in SLURM_VARS if v not in present)}: "
                         f"start the script with srun, or unset the SLURM_* variables to run one process")
+    task, family = env.get("SLURM_TASK_PID"), process_and_parents()
+    if present and task and family and int(task) not in family:  # copied into a shell that outlived its job
+        raise RankError(f"the SLURM_* variables are job {env['SLURM_JOB_ID']}'s, whose task {task} is not this process "
+                        f"or a parent of it: start the script with srun, or unset them to run one process")
     return tuple(int(env[v]) for v in SLURM_VARS[2:]) if present else (0, 1, 0, 0)
+
+
+def process_and_parents():
+    """The ids of this process and of its parents up to init, from /proc (None where there is none)."""
+    pids, pid = [], os.getpid()
+    while pid > 1:
+        pids.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: the parent
+        except (OSError, ValueError, IndexError):
+            return None
+    return pids
 
 
 def expand_hostlist(hostlist):

@@ -207,6 +207,19 @@ def test_a_failing_task_ends_the_whole_job(way, slurm, image_data, tmp_path):
     assert job.returncode != 0 and time.time() - started < 60, job.output
 
 
+def test_a_killed_srun_leaves_no_process_behind(slurm, image_data, tmp_path):
+    """srun killed with -9 (the OOM killer on the login node): Slurm cancels the step and kills its processes at
+    once (SIGKILL: nothing can be saved), loader workers included."""
+    job = srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "-j", "2", "--epochs", "50", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    job.proc.kill()
+    deadline = time.time() + 30
+    while slurm_tasks() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not slurm_tasks(), [p.cmdline() for p in slurm_tasks()]
+    job.finish(timeout=30)
+
+
 @pytest.mark.parametrize("way", ["one task per process", "one task per node"])
 def test_a_problem_only_one_node_has_is_reported_by_that_node(way, slurm, image_data, tmp_path):
     """The second node lacks the data folder the first has (a mount missing on one host). Errors used to
@@ -248,3 +261,13 @@ def test_half_set_slurm_variables_are_one_clear_error(image_data, tmp_path):
     assert job.returncode == 2 and job.output.startswith(
         "error: SLURM_PROCID, SLURM_NTASKS set but not SLURM_STEP_ID, SLURM_JOB_ID, SLURM_LOCALID, SLURM_NODEID: start "
         "the script with srun, or unset the SLURM_* variables to run one process"), job.output
+
+
+def test_slurm_variables_left_from_another_job_are_one_clear_line(image_data, tmp_path):
+    """A whole task's variables, in a shell that outlived its job (a tmux started inside it, an exported copy)."""
+    left = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", "SLURM_TASK_PID": "999999999"}
+    job = python(SCRIPT, image_data, "--epochs", "1", "--output-dir", tmp_path, env=left).finish(60)
+    assert job.returncode == 2 and job.output.startswith(
+        "error: the SLURM_* variables are job 41's, whose task 999999999 is not this process or a parent of it: start "
+        "the script with srun"), job.output
