@@ -1,5 +1,7 @@
-"""The harness's own promise: a process that outlives its job is found, even one that left the
-job's session (as torchrun's workers do), so the no-leftover checks elsewhere can fail."""
+"""The harness's own promises: a process that outlives its job is found, even one that left the
+job's session (as torchrun's workers do), so the no-leftover checks elsewhere can fail; and a job gets
+SIGINT as a terminal leaves it, however the suite was started."""
+import signal
 import sys
 
 import pytest
@@ -16,3 +18,15 @@ def test_an_orphan_in_its_own_session_is_reported_and_killed():
     with pytest.raises(AssertionError, match="processes left behind"):
         job.assert_no_leftovers(grace=1)
     assert not job.processes()
+
+
+def test_a_job_takes_sigint_as_a_terminal_leaves_it_even_when_the_suite_ignores_it():
+    """`bash -c 'bash scripts/test.sh &'` starts pytest with SIGINT ignored, which children inherit: a test of
+    Ctrl-C then watched the job train on. Python installs its KeyboardInterrupt handler only where SIGINT is not
+    ignored at start-up."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        job = Job([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT).__name__)"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert job.finish(30).output.strip() == "default_int_handler"
