@@ -1243,7 +1243,8 @@ def save_checkpoint(state, is_best, output_dir):
             with open(path, "rb") as src:
                 atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        need, free = tensor_bytes(state) / 2**20, shutil.disk_usage(output_dir).free / 2**20
+        need = tensor_bytes(state) / 2**20
+        free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
         reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
                   else str(e).strip().splitlines()[-1][:100])
         raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
