@@ -91,6 +91,8 @@ def parse_args(argv=None):
     add("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the all-reduce")
     add("--batches-per-allreduce", type=number(int, 1), default=1, metavar="K",
         help="split each process's batch into K backward passes and all-reduce once (less memory)")
+    add("--dist-timeout", type=number(float, above=0), default=1800,
+        help="seconds a collective may wait for a peer (HOROVOD_GLOO_TIMEOUT_SECONDS, Horovod's default: 30)")
     return check_args(p.parse_args(argv))
 
 
@@ -109,6 +111,7 @@ def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from Horovod, or one process when started
     without horovodrun."""
     check_horovodrun_env()
+    os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(args.dist_timeout)))  # read by init()
     hvd.init()
     rank, local_rank, world_size = hvd.rank(), hvd.local_rank(), hvd.size()
     if not torch.cuda.is_available():
@@ -275,6 +278,9 @@ def main():
     except UserError as e:  # one line per node: each node may see its own problem
         local_rank = hvd.local_rank() if hvd.is_initialized() else int(os.environ.get("HOROVOD_LOCAL_RANK", 0))
         exit_bad_input(e, reporter=local_rank == 0)
+    except hvd.HorovodInternalError:  # its background loop stopped, and logged why (above)
+        exit_bad_input(RankError("Horovod shut down: a rank stopped answering within --dist-timeout, or failed; "
+                                 "Horovod's first error above says which"), reporter=True)
     finally:
         end_process_group()  # Horovod's background thread stops while Python is whole
 

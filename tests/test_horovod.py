@@ -2,6 +2,7 @@
 import re
 import signal
 import sys
+import time
 
 import pytest
 
@@ -98,3 +99,19 @@ def test_horovodrun_variables_left_from_another_job_are_one_clear_line(left, ima
                 r"the HOROVOD_\* variables are left from a horovodrun that has ended" if left == "all" else
                 r"HOROVOD_RANK, HOROVOD_SIZE set but not HOROVOD_LOCAL_RANK, .*: start the script with horovodrun")
     assert_one_clear_line(job, expected)
+
+
+def test_a_frozen_rank_ends_the_job_within_the_timeout(image_data, tmp_path):
+    """--dist-timeout is Horovod's gloo timeout (its own default, 30 s, is shorter than writing a big checkpoint):
+    the waiting rank gives up, the script says so in one line, horovodrun ends the rest."""
+    job = horovodrun(2, image_data, *FAST, "-p", "1", "--epochs", "3", "--dist-timeout", "10", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 2/12]")
+    job.process_of_rank(1, "HOROVOD_RANK").send_signal(signal.SIGSTOP)
+    started = time.time()
+    job.finish(timeout=120)
+    assert job.returncode != 0 and time.time() - started < 10 + 30, job.output
+    assert "Timed out waiting 10000ms" in job.output, job.output
+    # the step's own collective times out, or Horovod's background loop does first and shuts Horovod down
+    line = (r"^\[0\]<stderr>:error: (a rank stopped answering: this one waited --dist-timeout 10s for it|"
+            r"Horovod shut down: a rank stopped answering within --dist-timeout)")
+    assert re.search(line, job.output, re.M), job.output
