@@ -518,7 +518,7 @@ def exit_bad_input(error, reporter):
 
 # --- Processes: the process group on a rendezvous store, agreeing on preemption ------------
 def die_with_parent(signum):
-    """Asks Linux to send this process `signum` once the process that started it is gone (prctl's
+    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
     PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
     training process save its preemption checkpoint on the way out."""
     if sys.platform.startswith("linux"):

@@ -959,7 +959,7 @@ def join_process_group(args, store, rank, world_size, device):
 
 
 def die_with_parent(signum):
-    """Asks Linux to send this process `signum` once the process that started it is gone (prctl's
+    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
     PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
     training process save its preemption checkpoint on the way out."""
     if sys.platform.startswith("linux"):

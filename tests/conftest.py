@@ -259,6 +259,15 @@ def assert_preempted(job, out, launcher_stopped=False):
     return ckpt["step"]
 
 
+def freeze(job, process, ends_within):
+    """Stops `process` without killing it (SIGSTOP: as if stuck in I/O or a driver call); the job must then end,
+    failing, within `ends_within` seconds."""
+    process.send_signal(signal.SIGSTOP)
+    started = time.time()
+    job.finish(timeout=120)
+    assert job.returncode != 0 and time.time() - started < ends_within, job.output
+
+
 def make_image_folder(root, train_per_class=48, val_total=101, size=40, seed=0):
     """One class per colour, noisy: learnable in a few epochs. val_total is odd on purpose."""
     gen = torch.Generator().manual_seed(seed)

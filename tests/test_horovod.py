@@ -2,12 +2,11 @@
 import re
 import signal
 import sys
-import time
 
 import pytest
 
-from conftest import (BIN, CHECKPOINT_KEYS, FAST, ROOT, Job, assert_same_tensors, free_port, import_script, load,
-                      metrics, ok, python, torchrun)
+from conftest import (BIN, CHECKPOINT_KEYS, FAST, ROOT, Job, assert_same_tensors, free_port, freeze, import_script,
+                      load, metrics, ok, python, torchrun)
 from test_bad_input import assert_one_clear_line
 from test_distributed import val_line
 
@@ -106,10 +105,7 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout(image_data, tmp_path):
     the waiting rank gives up, the script says so in one line, horovodrun ends the rest."""
     job = horovodrun(2, image_data, *FAST, "-p", "1", "--epochs", "3", "--dist-timeout", "10", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 2/12]")
-    job.process_of_rank(1, "HOROVOD_RANK").send_signal(signal.SIGSTOP)
-    started = time.time()
-    job.finish(timeout=120)
-    assert job.returncode != 0 and time.time() - started < 10 + 30, job.output
+    freeze(job, job.process_of_rank(1, "HOROVOD_RANK"), ends_within=10 + 30)
     assert "Timed out waiting 10000ms" in job.output, job.output
     # the step's own collective times out, or Horovod's background loop does first and shuts Horovod down
     line = (r"^\[0\]<stderr>:error: (a rank stopped answering: this one waited --dist-timeout 10s for it|"
