@@ -23,6 +23,7 @@ process group, wrapping the model, one optimizer step, sums over processes); the
 import argparse
 import atexit
 import contextlib
+import copy
 import ctypes
 import datetime
 import fcntl
@@ -46,6 +47,7 @@ import torchvision
 from PIL import Image
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import swa_utils
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 from torch.utils.tensorboard import SummaryWriter
 from torchvision.transforms import v2
@@ -82,6 +84,20 @@ def parse_args(argv=None):
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--no-tf32", action="store_true",
+        help="full fp32 matmuls and convolutions (default: TF32 where the GPU has it)")
+    add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")
+    add("--grad-accum-steps", type=number(int, 1), default=1, metavar="K",
+        help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
+    add("--label-smoothing", type=number(float, 0, below=1), default=0.0, help="in the training loss only")
+    add("--clip-grad-norm", type=number(float, above=0), default=None, metavar="X",
+        help="clip the global norm of the (unscaled, all-reduced) gradients to X")
+    add("--model-ema", action="store_true", help="keep an exponential moving average of the weights, evaluated too")
+    add("--model-ema-decay", type=number(float, 0, below=1), default=None, metavar="D", help="default 0.9998")
+    add("--model-ema-steps", type=number(int, 1), default=None, metavar="N", help="optimizer steps between updates (1)")
+    add("--profile", type=number(int, 1), default=None, metavar="STEPS",
+        help="torch.profiler over STEPS training steps after warm-up: a trace, and where the step time went")
+    add("--profile-all-ranks", action="store_true", help="with --profile: a trace from every rank, not rank 0's only")
     add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
@@ -200,16 +216,13 @@ def wrap_model(model, args, device, amp_dtype):
                                    **no_sync), model
 
 
-def train_step(run, images, target):
-    """One optimizer step on this process's batch. Returns the loss summed over the batch, and the outputs."""
-    with torch.autocast(images.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
-        output = run.train_model(images)
-        loss = F.cross_entropy(output, target)
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scaler.scale(loss).backward()
-    run.scaler.step(run.optimizer)  # unscales, and skips the step if a gradient is inf/NaN
-    run.scaler.update()
-    return loss.detach().float() * target.numel(), output.detach().float()
+def train_step(run, images, target, args):
+    """One optimizer step on this process's batch, in --grad-accum-steps micro-batches: DDP all-reduces the
+    gradients in the last one's backward() only, under no_sync() before. Returns the loss summed over the batch,
+    the outputs, and whether the gradients were clipped."""
+    ddp = getattr(run.train_model, "_orig_mod", run.train_model)  # the DDP module under torch.compile's wrapper
+    loss_sum, output = forward_backward(run, images, target, args, getattr(ddp, "no_sync", contextlib.nullcontext))
+    return loss_sum, output, optimizer_step(run, args)
 
 
 def reduce_tensor(tensor):
@@ -279,28 +292,34 @@ def main_worker(args, local_index=None):
     num_classes, local_batch = len(train_set.classes), args.batch_size // world_size
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
         f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val images")
+    set_tf32(args, device, log)
 
     train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
     steps_per_epoch = len(train_batches)
 
     model = prepare_model(model, args, device, log)
+    ema = ModelEMA(model, args) if args.model_ema else None  # fp32: taken before setup_precision casts the model
     optimizer = build_optimizer(model, args, device, log)
     amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype)
+    run.ema, run.profiler = ema, StepProfiler(args, rank, device, log)
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
         log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
+    if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
+        run.train_model = torch.compile(run.train_model)
 
     if args.benchmark:
         benchmark(run, preemption, args, world_size, log)
         return None
     if args.evaluate:
-        val = evaluate(run.eval_model, val_batches, amp_dtype)
-        log(f"val: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
-            f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
+        for name, evaluated in [("val", run.eval_model)] + [("val ema", ema.module)] * bool(ema):
+            val = evaluate(evaluated, val_batches, amp_dtype)
+            log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
+                f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
         return None
 
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
@@ -319,16 +338,23 @@ def main_worker(args, local_index=None):
             train_seconds = time.time() - started
             sync_buffers(model)
             val = evaluate(run.eval_model, val_batches, amp_dtype)
+            if ema:  # rank 0's BatchNorm statistics, as in the model
+                sync_buffers(ema.module)
+                val.update({f"{key}_ema": value for key, value in evaluate(ema.module, val_batches, amp_dtype).items()})
             is_best = val["acc1"] > run.best_acc1
             run.epoch, run.best_acc1 = epoch + 1, max(run.best_acc1, val["acc1"])
             run.save(args, rank, is_best)
             row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
                    "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
-                   "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
+                   "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started,
+                   **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if ema},
+                   **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {})}
             if rank == 0:
                 write_epoch(row, writer, args.output_dir)
             log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
-                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f} | {row['img_per_s']:.0f} img/s")
+                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}" + (f" | ema acc1 {val['acc1_ema']:.2f}" if ema else "")
+                + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
+                + f" | {row['img_per_s']:.0f} img/s")
             if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
                 log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; "
                     f"continue with --resume auto")
@@ -350,6 +376,7 @@ class RunState:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.amp_dtype, self.train_model, self.eval_model = amp_dtype, model, model
         self.epoch, self.step, self.best_acc1, self.train_sums = 0, 0, 0.0, None
+        self.ema, self.profiler = None, None  # ModelEMA with --model-ema, StepProfiler
 
     def save(self, args, rank, is_best):
         """Every rank takes part (their random states are gathered); rank 0 writes."""
@@ -360,11 +387,14 @@ class RunState:
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "args": vars(args),
                 "world_size": len(rng_states), "rng_states": rng_states, "train_sums": self.train_sums,
+                "model_ema": self.ema and self.ema.module.state_dict(),
             }, is_best, args.output_dir)
 
     def load_state_dict(self, ckpt, args, rank, world_size, log):
         """Everything back from a checkpoint (load_checkpoint's); only the weights for --evaluate."""
         self.model.load_state_dict(ckpt["state_dict"])
+        if self.ema:
+            self.ema.load(ckpt.get("model_ema"), self.model, log)
         if args.evaluate:
             return
         self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -387,7 +417,7 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
     device = next(run.model.parameters()).device
     metrics = Metrics(device)
     if run.train_sums is not None:
-        metrics.sums += run.train_sums.to(device)  # the part of this epoch trained before a preemption
+        metrics.sums[:len(run.train_sums)] += run.train_sums.to(device)  # this epoch's part before a preemption
     steps_per_epoch, first_bad = run.step + len(batches), torch.full((), -1, device=device)
     bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
                disable=not show_bar)
@@ -407,14 +437,13 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
             log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
         return s
 
-    for step, (images, target) in enumerate(batches, start=run.step):
+    for step, (images, target) in enumerate(run.profiler.timed(batches), start=run.step):
         if preemption.agreed():
             bar.close()
             run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()
             return None
-        loss_sum, output = train_step(run, images, target)
-        run.scheduler.step()
-        metrics.update(loss_sum, output, target)
+        loss_sum, output, clipped = train_step(run, images, target, args)
+        metrics.update(loss_sum, output, target, clipped)
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
         bar.update()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
@@ -599,6 +628,15 @@ def check_args(args):
     if args.val_resize < args.crop_size:
         raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
                         f"crop would be padded with black; give --val-resize {args.crop_size} or more")
+    for flag, needs in (("model_ema_decay", "model_ema"), ("model_ema_steps", "model_ema"),
+                        ("profile_all_ranks", "profile")):
+        if getattr(args, flag) not in (None, False) and not getattr(args, needs):
+            raise UserError(f"--{flag.replace('_', '-')} goes with --{needs.replace('_', '-')}: add it, or drop "
+                            f"--{flag.replace('_', '-')}")
+    if args.profile and args.evaluate:
+        raise UserError("--profile records training steps, and -e trains none: drop one of them")
+    args.model_ema_decay = 0.9998 if args.model_ema_decay is None else args.model_ema_decay
+    args.model_ema_steps = args.model_ema_steps or 1
     return args
 
 
@@ -612,6 +650,9 @@ def check_and_load(args, world_size, device):
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    if args.batch_size // world_size % args.grad_accum_steps:
+        raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
+                        f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
     check_launch_args(args, world_size, device)
     if not args.dummy and not (args.data and os.path.isdir(args.data)):
         raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
@@ -722,6 +763,187 @@ def lr_factor(step, steps_per_epoch, args):
         progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
         return 0.5 * (1 + math.cos(math.pi * progress))
     return 0.1 ** (int(epoch) // args.lr_step)
+
+
+# --- The optimizer step: micro-batches, clipping, the weights' average, TF32, the profiler --
+def forward_backward(run, images, target, args, no_sync):
+    """Forward and backward over this process's batch in --grad-accum-steps micro-batches, the loss of each
+    divided by their number, so that the summed gradients are those of the whole batch. no_sync: the launcher's
+    context that holds back the all-reduce, entered for every micro-batch but the last. Returns the loss summed
+    over the batch (the training loss, label smoothing included), and the outputs."""
+    chunks, loss_sum, outputs = args.grad_accum_steps, 0, []
+    run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
+    with run.profiler.region("forward/backward"):
+        for i, (images_part, target_part) in enumerate(zip(images.chunk(chunks), target.chunk(chunks))):
+            with no_sync() if i < chunks - 1 else contextlib.nullcontext():
+                with torch.autocast(images.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+                    output = run.train_model(images_part)
+                    loss = F.cross_entropy(output, target_part, label_smoothing=args.label_smoothing)
+                run.scaler.scale(loss / chunks).backward()
+            loss_sum = loss_sum + loss.detach().float() * target_part.numel()
+            outputs.append(output.detach().float())
+    return loss_sum, torch.cat(outputs)
+
+
+def optimizer_step(run, args):
+    """The step, once the gradients are all-reduced: --clip-grad-norm on the true gradients (unscaled first; the
+    optimizer's parameters, which are apex O2's fp32 master weights), the optimizer (the scaler skips a step with
+    an inf/NaN gradient), the learning-rate schedule and --model-ema. Returns 1 if it clipped (a device tensor)."""
+    clipped = 0
+    with run.profiler.region("optimizer"):
+        if args.clip_grad_norm:
+            run.scaler.unscale_(run.optimizer)
+            params = [p for group in run.optimizer.param_groups for p in group["params"]]
+            clipped = (torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm) > args.clip_grad_norm).double()
+        run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
+        run.scaler.update()
+        run.scheduler.step()
+        if run.ema:
+            run.ema.update(run.model, run.scheduler.last_epoch)
+    return clipped
+
+
+class ModelEMA:
+    """--model-ema: an exponential moving average of the weights (parameters and BatchNorm statistics), updated
+    every --model-ema-steps optimizer steps as ema = decay * ema + (1 - decay) * weights (torch.optim.swa_utils'
+    EMA function). An fp32 copy of the model, whatever precision trains (apex O2: the average of the fp32 master
+    weights). Every rank updates its own from the same all-reduced weights; BatchNorm statistics differ per rank
+    and become rank 0's with sync_buffers, as the model's do, before it is evaluated and saved."""
+
+    def __init__(self, model, args):
+        self.module = copy.deepcopy(model).float().eval().requires_grad_(False)
+        self.every, self.average = args.model_ema_steps, swa_utils.get_ema_multi_avg_fn(args.model_ema_decay)
+
+    @torch.no_grad()
+    def update(self, model, step):
+        if step % self.every == 0:
+            mine, theirs = self.module.state_dict(), model.state_dict()
+            floats = [key for key, value in mine.items() if value.is_floating_point()]
+            self.average([mine[key] for key in floats], [theirs[key].float() for key in floats], None)
+            for key in mine.keys() - set(floats):  # BatchNorm's batch counts
+                mine[key].copy_(theirs[key])
+
+    def load(self, state, model, log):
+        """The checkpoint's average; a checkpoint without one starts it from the model's resumed weights."""
+        if state is None:
+            log("note: the checkpoint has no --model-ema average: it starts from the resumed weights")
+        self.module.load_state_dict(model.state_dict() if state is None else state)
+
+
+def set_tf32(args, device, log):
+    """TF32: fp32 matmuls and convolutions on the tensor cores of Ampere and newer GPUs, with fp32's range and a
+    10-bit mantissa (as fp16's): several times faster, and accurate enough to train with. On unless --no-tf32;
+    the legacy switches, which every torch release since 1.7 knows."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not args.no_tf32
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        log(f"TF32: not on {'this GPU (before Ampere)' if device.type == 'cuda' else 'the CPU'}: full fp32")
+    else:
+        log("TF32: off (--no-tf32): full fp32" if args.no_tf32 else
+            "TF32: on for fp32 matmuls and convolutions (--no-tf32 turns it off)")
+
+
+def span_union(spans):
+    """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def span_common(spans, others):
+    """The pieces of time that `spans` and `others` (both unions) share."""
+    return [(max(a, c), min(b, d)) for a, b in span_union(spans) for c, d in span_union(others)
+            if min(b, d) > max(a, c)]
+
+
+class StepProfiler:
+    """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (compilation, cuDNN's search,
+    the allocator), on rank 0, or on every rank with --profile-all-ranks. Writes
+    <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler plugin open
+    it) and logs where the step time went. While it records, each part of a step waits for the GPU at its end, so
+    that every part is timed where it runs."""
+    WARMUP = 5
+
+    def __init__(self, args, rank, device, log):
+        self.steps, self.device, self.log, self.profiler, self.done = args.profile or 0, device, log, None, 0
+        self.path = os.path.join(args.output_dir, "profile", f"rank{rank}.pt.trace.json")
+        self.skip = self.WARMUP if self.steps and (rank == 0 or args.profile_all_ranks) else math.inf
+
+    def region(self, name):
+        """A named part of the step, recorded (and waited for on the GPU) while the profiler records."""
+        return self._recorded(name) if self.profiler else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _recorded(self, name):
+        with torch.profiler.record_function(name):
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    def timed(self, batches):
+        """The batches; a recorded step lasts from the wait for its batch to the request for the next."""
+        batches = iter(batches)
+        while True:
+            if self.skip == 0:
+                cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
+                self.profiler.start()
+            self.skip -= 1
+            with self.region("train step"):
+                with self.region("data wait"):
+                    batch = next(batches, None)
+                if batch is None:
+                    return
+                yield batch
+            self.done += self.profiler is not None
+            if self.profiler and self.done == self.steps:
+                self._finish()
+
+    def _finish(self):
+        profiler, self.profiler, self.skip = self.profiler, None, math.inf
+        profiler.stop()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        profiler.export_chrome_trace(self.path)
+        self.log(f"profile: {self.summary(profiler.events())}; trace in {self.path}")
+
+    def summary(self, events):
+        """Where the step time went, in ms per step, the parts adding up to the step: the wait for the batch,
+        forward/backward, the all-reduce time that computation did not hide (DDP: collectives within backward
+        while no computation ran; Horovod: its region "all-reduce", the wait for them), the optimizer step, and
+        the rest (Python, metrics, the preemption check)."""
+        spans, main, on_gpu = {}, {e.thread for e in events if e.name == "train step"}, self.device.type == "cuda"
+        for e in events:
+            spans.setdefault(e.name, []).append((e.time_range.start, e.time_range.end))
+        steps = [s for s in spans.get("train step", []) if span_common([s], spans.get("forward/backward", []))]
+
+        def place(e):  # the GPU, the training thread, or another thread (gloo's)
+            return "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "main" if e.thread in main else "other"
+
+        def length(pieces):
+            return sum(end - start for start, end in pieces)
+
+        # communication: NCCL's kernels on the GPU, gloo's work on its threads; computation: the other kernels on
+        # the GPU, the operators of the training thread on the CPU
+        comm = [(e.time_range.start, e.time_range.end) for e in events
+                if e.name.startswith(("gloo:", "nccl")) and place(e) == ("gpu" if on_gpu else "other")]
+        compute = [(e.time_range.start, e.time_range.end) for e in events if not e.name.startswith(("gloo:", "nccl"))
+                   and (place(e) == "gpu" if on_gpu else place(e) == "main" and e.name.startswith("aten::"))]
+        comm_in_backward = span_common(comm, spans.get("forward/backward", []))
+        exposed = length(comm_in_backward) - length(span_common(comm_in_backward, compute))
+        n = max(len(steps), 1)
+        parts = {name: length(span_common(spans.get(name, []), steps)) / n
+                 for name in ("data wait", "forward/backward", "all-reduce", "optimizer")}  # "all-reduce": Horovod's
+        parts["forward/backward"] -= exposed / n
+        parts["all-reduce"] += exposed / n
+        parts["other"] = length(span_union(steps)) / n - sum(parts.values())
+        count = sum(1 for e in events if e.name == "c10d::allreduce_" and e.thread in main
+                    and span_common([(e.time_range.start, e.time_range.start + 1e-3)], steps))
+        return (f"{len(steps)} steps, {length(span_union(steps)) / n / 1e3:.1f} ms each = "
+                + " + ".join(f"{name} {ms / 1e3:.1f}" for name, ms in parts.items())
+                + f" ms; {count / n:g} all-reduces per step")
 
 
 # --- Data: decoding and cropping in loader workers, samplers, the device prefetcher --------
@@ -968,22 +1190,23 @@ def accuracy(output, target, topk=(1, 5)):
 
 
 class Metrics:
-    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses): updating
-    them never waits for the GPU; `summary` reduces them over all ranks when a number is wanted."""
+    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses, samples of steps whose
+    gradients were clipped): updating them never waits for the GPU; `summary` reduces them over all ranks when a
+    number is wanted."""
 
     def __init__(self, device):
-        self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
 
-    def update(self, loss_sum, output, target):
+    def update(self, loss_sum, output, target, clipped=0):
         loss_sum = loss_sum.detach().double().reshape(1)
-        self.sums += torch.cat([loss_sum, accuracy(output.detach(), target).double(),
-                                torch.full((1,), target.numel(), dtype=torch.float64, device=target.device),
-                                (~torch.isfinite(loss_sum)).double()])
+        count = torch.full((1,), target.numel(), dtype=torch.float64, device=target.device)
+        self.sums += torch.cat([loss_sum, accuracy(output.detach(), target).double(), count,
+                                (~torch.isfinite(loss_sum)).double(), count * clipped])
 
     def summary(self):
-        loss, c1, c5, n, bad = reduce_tensor(self.sums).tolist()
+        loss, c1, c5, n, bad, clipped = reduce_tensor(self.sums).tolist()
         n_ = max(n, 1)
-        return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_,
+        return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_, "clipped": 100 * clipped / n_,
                 "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
 
 
@@ -1151,7 +1374,8 @@ def load_checkpoint(path, arch):
     if ckpt.get("arch", arch) != arch:
         raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another "
                         f"checkpoint")
-    consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
+    for prefix in ("module.", "_orig_mod."):  # a DDP or DataParallel wrapper's, torch.compile's (e.g. nanoGPT's)
+        consume_prefix_in_state_dict_if_present(ckpt["state_dict"], prefix)
     return ckpt
 
 

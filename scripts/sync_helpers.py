@@ -26,7 +26,8 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"
 # the appendix
 APPENDIX = ["UserError", "RankError", "Parser", "number", "stopped_answering", "exit_bad_input",
             "join_process_group", "die_with_parent", "Preemption", "check_args", "check_and_load", "check_model",
-            "build_model", "param_groups", "lr_factor", "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages",
+            "build_model", "param_groups", "lr_factor", "forward_backward", "optimizer_step", "ModelEMA", "set_tf32",
+            "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages",
             "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "build_loaders",
             "start_loader_worker", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
             "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "set_seed",
@@ -40,7 +41,7 @@ OWN = {
     "distributed_slurm_main.py": {"parse_args", "find_processes", "start_process_group", "main"},
     "dataparallel.py": {"parse_args", "find_processes", "start_process_group", "describe_processes", "prepare_model",
                         "wrap_model", "gather_rng_states", "main"},
-    "horovod_distributed.py": {"parse_args", "find_processes", "check_launch_args", "start_process_group",
+    "horovod_distributed.py": {"parse_args", "find_processes", "start_process_group",
                                "end_process_group", "describe_processes", "prepare_model", "build_optimizer",
                                "wrap_model", "train_step", "reduce_tensor", "gather_objects", "sync_buffers",
                                "sum_async", "main"},
@@ -54,6 +55,8 @@ OWN = {
 # shared names a sibling has no use for: no process group of torch.distributed's
 NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
                "unet3d_apex.py": {"check_fit", "check_model", "build_model", "param_groups", "lr_factor",
+                                  "forward_backward", "optimizer_step", "ModelEMA", "set_tf32", "span_union",
+                                  "span_common", "StepProfiler",
                                   "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image",
                                   "RandomResizedCropFlip", "collate", "Prefetcher", "accuracy", "Metrics", "benchmark",
                                   "MODEL_NAMES"}}

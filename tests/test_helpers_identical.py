@@ -53,8 +53,9 @@ def test_the_lesson_comes_first(script):
     assert None not in starts and starts == sorted(starts), dict(zip(FENCES, starts))
     main_worker = first_line(lines, "def main_worker(")
     assert first_line(lines, "def parse_args(") < starts[0] and starts[1] < main_worker < starts[2]
-    if script == REFERENCE:  # a newcomer meets the launcher part early and has read the flow by about line 400
-        assert starts[0] <= 150 and starts[2] <= 450, starts
+    if script == REFERENCE:  # a newcomer meets the launcher part early and has read the flow by about line 450
+        # (the training loop's flags of issue 19 took the appendix from line 450 to 477)
+        assert starts[0] <= 150 and starts[2] <= 490, starts
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
