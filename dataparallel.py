@@ -321,7 +321,7 @@ def main_worker(args, local_index=None):
         benchmark(run, preemption, args, world_size, log)
         return None
     if args.evaluate:
-        for name, evaluated in [("val", run.eval_model)] + [("val ema", ema.module)] * bool(ema):
+        for name, evaluated in [("val", run.eval_model)] + ([("val ema", ema.module)] if ema else []):
             val = evaluate(evaluated, val_batches, amp_dtype)
             log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
                 f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")

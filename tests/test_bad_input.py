@@ -58,6 +58,9 @@ CASES = {
     "batch not divisible by world size": (2, lambda d, t: [d, "-b", "15"],
                                           r"--batch-size 15 is the global batch and must divide by the world size 2: "
                                           r"use e.g. 14"),
+    "grad accumulation steps that do not divide a process's batch": (
+        2, lambda d, t: [d, "-b", "16", "--grad-accum-steps", "3"],
+        r"--grad-accum-steps 3 must divide each process's batch 8 \(-b 16 / 2 processes\)"),
     "batch larger than the data": (1, lambda d, t: [d, "-b", "512"],
                                    r"192 training images are fewer than one global batch of 512: lower -b"),
     "fp16 without CUDA": (1, lambda d, t: [d, "--amp", "fp16"], r"--amp fp16 needs CUDA.*use --amp bf16"),

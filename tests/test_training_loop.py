@@ -1,0 +1,210 @@
+"""The training loop's own flags under the real launchers: --grad-accum-steps (no_sync, one all-reduce per
+optimizer step), --compile (checkpoints without `_orig_mod.`), --clip-grad-norm on the true gradients,
+--label-smoothing in the training loss only, --model-ema (a reference average, bit-for-bit resume), TF32,
+and --profile (a trace, a summary whose parts add up)."""
+import json
+import re
+import types
+
+import pytest
+import torch
+import torchvision
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import FAST, RESUME, assert_same_tensors, import_script, load, metrics, ok, python, torchrun
+from test_distributed import val_line
+
+SCRIPT = "distributed.py"
+# no BatchNorm and no dropout: the weights do not depend on how a batch is split
+NO_BN = [*FAST, "-a", "squeezenet1_1", "--dropout", "0", "--epochs", "1"]
+PARTS = ("data wait", "forward/backward", "all-reduce", "optimizer", "other")
+PROFILE = re.compile(r"^profile: (\d+) steps, ([\d.]+) ms each = " + r" \+ ".join(rf"{p} (-?[\d.]+)" for p in PARTS)
+                     + r" ms; ([\d.]+) all-reduces per step; trace in (\S+)$", re.M)
+
+
+def profile_summary(job):
+    """The --profile line: steps, ms per step, the parts' ms, all-reduces per step, the trace's path."""
+    m = PROFILE.search(job.output)
+    assert m, job.output
+    return int(m[1]), float(m[2]), [float(v) for v in m.groups()[2:7]], float(m[8]), m[9]
+
+
+@pytest.fixture(scope="module")
+def one_pass(image_data, tmp_path_factory):
+    """2 processes, each batch in one pass, 3 steps profiled on rank 0."""
+    out = tmp_path_factory.mktemp("one_pass")
+    return ok(torchrun(SCRIPT, 2, image_data, *NO_BN, "--profile", "3", "--output-dir", out)), out
+
+
+def test_grad_accum_steps_give_the_weights_of_one_pass_and_one_all_reduce_per_step(one_pass, image_data, tmp_path):
+    """Each process's 8 images in 2 micro-batches of 4: the same weights, and no more all-reduces per optimizer
+    step (DDP's buckets and the preemption flag) than one pass makes: no_sync holds back the first micro-batch's.
+    With loader workers, and a trace from every rank."""
+    job = ok(torchrun(SCRIPT, 2, image_data, *NO_BN, "--grad-accum-steps", "2", "-j", "2", "--profile", "3",
+                      "--profile-all-ranks", "--output-dir", tmp_path))
+    assert_same_tensors(load(tmp_path / "checkpoint.pth.tar")["state_dict"],
+                        load(one_pass[1] / "checkpoint.pth.tar")["state_dict"], exact=False)
+    once, twice = profile_summary(one_pass[0])[3], profile_summary(job)[3]
+    assert once == twice >= 2, (once, twice)
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+
+
+def test_profile_writes_a_trace_and_a_summary_whose_parts_add_up_to_the_step(one_pass):
+    job, out = one_pass
+    steps, step_ms, parts, _, trace = profile_summary(job)
+    assert steps == 3 and step_ms > 0
+    assert sum(parts) == pytest.approx(step_ms, abs=0.05 * len(PARTS) + 0.05)  # each printed to 0.1 ms
+    assert min(parts) >= -0.05 and parts[1] > 0, parts  # forward/backward took time; no part is negative
+    assert trace == str(out / "profile" / "rank0.pt.trace.json")
+    events = json.loads((out / "profile" / "rank0.pt.trace.json").read_text())["traceEvents"]  # Perfetto's format
+    names = {e.get("name") for e in events}
+    assert {"train step", "data wait", "forward/backward", "optimizer", "gloo:all_reduce"} <= names
+    assert sum(e.get("name") == "train step" for e in events) == 3
+    assert not (out / "profile" / "rank1.pt.trace.json").exists()  # rank 0's only, without --profile-all-ranks
+
+
+def test_a_tiny_clip_threshold_changes_the_update_and_the_log_counts_it(one_pass, image_data, tmp_path):
+    job = ok(torchrun(SCRIPT, 2, image_data, *NO_BN, "--clip-grad-norm", "1e-4", "--output-dir", tmp_path))
+    clipped, plain = (load(d / "checkpoint.pth.tar")["state_dict"] for d in (tmp_path, one_pass[1]))
+    assert not torch.allclose(clipped["classifier.1.weight"], plain["classifier.1.weight"])
+    assert metrics(tmp_path)[0]["clipped_percent"] == 100
+    assert re.search(r"^Epoch 0: .* \| clipped 100% of steps \| \d+ img/s$", job.output, re.M), job.output
+
+
+def loop_step(module, model, optimizer, scaler, max_norm):
+    """One optimizer_step of a script, as train_step calls it, on gradients already in place."""
+    run = module.RunState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), scaler,
+                          None)
+    run.profiler = module.StepProfiler(types.SimpleNamespace(profile=None, output_dir="."), 0, torch.device("cpu"),
+                                       print)
+    return float(module.optimizer_step(run, types.SimpleNamespace(clip_grad_norm=max_norm)))
+
+
+@pytest.mark.parametrize("threshold", [0.5, 2.0], ids=["clips", "does-not-clip"])
+def test_clipping_sees_the_unscaled_gradients(threshold):
+    """fp16's loss scale (2^10 here) multiplies every gradient: clipping before unscaling would clip always, and
+    to a norm 1024 times too small. The step must equal plain SGD on the true gradients, clipped to threshold x
+    their norm."""
+    module = import_script(SCRIPT)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(model(torch.randn(4, 8)).square().sum()).backward()
+    true = [p.grad / 2 ** 10 for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in true]))
+    clipped = loop_step(module, model, optimizer, scaler, max_norm=threshold * norm.item())
+    assert clipped == (threshold < 1)
+    factor = min(threshold, 1.0)
+    for p, p0, g in zip(model.parameters(), before, true):
+        assert torch.allclose(p0 - p.detach(), factor * g, rtol=1e-5, atol=1e-7)
+
+
+def test_apex_o2_clips_the_fp32_master_gradients():
+    """apex O2: the model's gradients are bfloat16 (and loss-scaled where fp16 is); the optimizer steps fp32 master
+    weights. Clipping must see the masters' unscaled fp32 gradients: the step equals SGD on them, clipped."""
+    module = import_script("apex_distributed.py")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = module.MasterWeights(model, optimizer, torch.device("cpu"), enabled=True)
+    masters = [master for _, master in scaler.masters.values()]
+    before = [m.detach().clone() for m in masters]
+    model.to(torch.bfloat16)
+    scaler.scale(model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().sum()).backward()
+    true = [p.grad.float() / scaler.get_scale() for p in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in true]))
+    assert loop_step(module, model, optimizer, scaler, max_norm=0.5 * norm.item()) == 1
+    for master, m0, g in zip(masters, before, true):
+        assert torch.allclose(m0 - master.detach(), 0.5 * g, rtol=1e-3, atol=1e-6)
+    for p, master in zip(model.parameters(), masters):  # the model computes with the new masters
+        assert torch.equal(p.detach(), master.detach().to(torch.bfloat16))
+
+
+def test_label_smoothing_is_in_the_training_loss_only(image_data, tmp_path):
+    """With --lr 0 nothing moves: the training losses differ by the smoothing alone, validation losses not at all."""
+    rows = {}
+    for smoothing in ("0", "0.3"):
+        out = tmp_path / smoothing
+        ok(python(SCRIPT, image_data, *FAST, "--lr", "0", "--epochs", "1", "--label-smoothing", smoothing,
+                  "--output-dir", out))
+        rows[smoothing] = metrics(out)[0]
+    assert rows["0.3"]["train_loss"] != pytest.approx(rows["0"]["train_loss"], rel=1e-4)
+    assert rows["0.3"]["val_loss"] == rows["0"]["val_loss"]
+
+
+EMA = [*RESUME, "--model-ema", "--model-ema-decay", "0.5", "--model-ema-steps", "12"]  # 12 steps: once an epoch
+
+
+def test_model_ema_is_the_average_of_the_epochs_weights_and_resumes_bit_for_bit(image_data, tmp_path):
+    """One update at each epoch's end, with decay 0.5: the average is that of the initial weights and the three
+    checkpoints' (parameters and rank 0's BatchNorm statistics). A run resumed after every epoch ends with the
+    uninterrupted run's average, bit for bit; the average is evaluated (metrics.jsonl, TensorBoard) and with -e."""
+    whole = ok(torchrun(SCRIPT, 2, image_data, *EMA, "--epochs", "3", "--output-dir", tmp_path / "whole"))
+    weights = []
+    for epochs in (1, 2, 3):
+        ok(torchrun(SCRIPT, 2, image_data, *EMA, "--epochs", epochs, "--resume", "auto",
+                    "--output-dir", tmp_path / "resumed"))
+        weights.append(load(tmp_path / "resumed" / "checkpoint.pth.tar"))
+    final = load(tmp_path / "whole" / "checkpoint.pth.tar")
+    assert_same_tensors(weights[-1]["model_ema"], final["model_ema"])
+    assert_same_tensors(weights[-1]["state_dict"], final["state_dict"])
+    torch.manual_seed(0)
+    average = torchvision.models.resnet18(num_classes=4).state_dict()
+    for ckpt in weights:
+        average = {k: 0.5 * v + 0.5 * ckpt["state_dict"][k] if v.is_floating_point() else ckpt["state_dict"][k]
+                   for k, v in average.items()}
+    assert_same_tensors(final["model_ema"], average, exact=False, rtol=1e-5, atol=1e-6)
+    rows = metrics(tmp_path / "whole")
+    assert all({"val_loss_ema", "val_acc1_ema", "val_acc5_ema"} <= set(row) for row in rows)
+    tb = EventAccumulator(str(next((tmp_path / "whole" / "tb").iterdir()))).Reload()
+    assert [e.value for e in tb.Scalars("val_acc1_ema")] == pytest.approx([r["val_acc1_ema"] for r in rows])
+    assert re.search(r"^Epoch 2: .* \| ema acc1 [\d.]+ \| \d+ img/s$", whole.output, re.M), whole.output
+    evaluated = ok(python(SCRIPT, image_data, *FAST, "-e", "--model-ema", "--resume",
+                          tmp_path / "whole" / "checkpoint.pth.tar"))
+    ema_line = re.search(r"^val ema: loss ([\d.]+) acc1 ([\d.]+)", evaluated.output, re.M)
+    assert ema_line and float(ema_line[1]) == pytest.approx(rows[-1]["val_loss_ema"], abs=1e-6), evaluated.output
+
+
+def test_compile_trains_and_its_checkpoint_loads_into_a_plain_model_and_evaluates(image_data, tmp_path):
+    """torch.compile wraps the DDP module; the checkpoint is the plain model's (no `_orig_mod.` prefix), and
+    distributed.py -e evaluates it as training did. A checkpoint saved from a compiled model elsewhere (nanoGPT
+    saves `_orig_mod.` keys) loads too."""
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--epochs", "1", "--compile", "-j", "2", "--output-dir",
+                      tmp_path / "out"), timeout=900)
+    assert "TF32: not on the CPU: full fp32" in job.output
+    state = load(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
+    plain = torchvision.models.resnet18(num_classes=4)
+    plain.load_state_dict(state)  # strict: every key, no prefix
+    loss, _ = val_line(ok(python(SCRIPT, image_data, *FAST, "-e", "--resume", tmp_path / "out" / "checkpoint.pth.tar")))
+    assert loss == pytest.approx(metrics(tmp_path / "out")[0]["val_loss"], rel=1e-5)
+    compiled = torch.compile(plain)  # compiles nothing until called
+    assert all(key.startswith("_orig_mod.") for key in compiled.state_dict())
+    torch.save({"arch": "resnet18", "state_dict": compiled.state_dict()}, tmp_path / "elsewhere.pth")
+    assert val_line(ok(python(SCRIPT, image_data, *FAST, "-e", "--resume", tmp_path / "elsewhere.pth")))[0] == loss
+
+
+@pytest.mark.parametrize("no_tf32", [False, True])
+def test_tf32_is_on_unless_no_tf32(no_tf32):
+    module = import_script(SCRIPT)
+    lines = []
+    try:
+        module.set_tf32(types.SimpleNamespace(no_tf32=no_tf32), torch.device("cpu"), lines.append)
+        assert torch.backends.cuda.matmul.allow_tf32 is torch.backends.cudnn.allow_tf32 is (not no_tf32)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # torch's defaults
+    assert lines == ["TF32: not on the CPU: full fp32"]
+
+
+def test_flags_that_need_another_are_one_clear_line():
+    module = import_script(SCRIPT)
+    for flags, message in ((["--model-ema-decay", "0.9"], "--model-ema-decay goes with --model-ema"),
+                           (["--model-ema-steps", "4"], "--model-ema-steps goes with --model-ema"),
+                           (["--profile-all-ranks"], "--profile-all-ranks goes with --profile"),
+                           (["--profile", "3", "-e"], "--profile records training steps, and -e trains none")):
+        with pytest.raises(module.UserError, match=re.escape(message)):
+            module.parse_args(["--dummy", *flags])
+    args = module.parse_args(["--dummy", "--model-ema"])
+    assert (args.model_ema_decay, args.model_ema_steps) == (0.9998, 1)
+
