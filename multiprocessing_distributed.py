@@ -393,7 +393,7 @@ def main_worker(args, local_index=None):
     output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
     set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
     group = start_process_group(args, rank, world_size, device, log)
-    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
+    check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))
     preemption = Preemption(group)
     num_classes, local_batch = len(train_set.classes), args.batch_size // world_size
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
@@ -412,7 +412,7 @@ def main_worker(args, local_index=None):
     run.ema, run.profiler = ema, StepProfiler(args, rank, device, log)
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
-        log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
+        log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)})")
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
     if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
@@ -1511,6 +1511,10 @@ def check_fit(path, ckpt, model, args):
         key, there, here = wrong[0]
         raise UserError(f"{path} does not fit --arch {args.arch}: {key} is {'x'.join(map(str, there))} there, "
                         f"{'x'.join(map(str, here))} here; resume from a checkpoint of this model")
+    lacking = [key for key in ("epoch", "optimizer", "scheduler", "scaler", "best_acc1") if key not in ckpt]
+    if lacking and not args.evaluate:  # weights alone: another tool's, or a compiled model's state_dict saved by hand
+        raise UserError(f"{path} holds weights but no training state ({', '.join(lacking)}): evaluate it with -e; "
+                        f"training resumes from this repository's checkpoints only")
 
 
 def check_same_checkpoint(views):

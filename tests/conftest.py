@@ -296,6 +296,28 @@ def uninterrupted(image_data, tmp_path_factory):
     return out
 
 
+# no BatchNorm and no dropout: the weights do not depend on how a batch is split
+NO_BN = [*FAST, "-a", "squeezenet1_1", "--dropout", "0", "--epochs", "1"]
+# every flag of the loop at once, with loader workers
+LOOP = [*NO_BN, "-j", "2", "--grad-accum-steps", "2", "--clip-grad-norm", "0.05", "--label-smoothing", "0.1",
+        "--model-ema", "--model-ema-decay", "0.9"]
+
+
+@pytest.fixture(scope="session")
+def loop_reference(image_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("loop_reference")
+    ok(torchrun("distributed.py", 2, image_data, *LOOP, "--output-dir", out))
+    return out
+
+
+def assert_same_loop(out, reference, exact):
+    """The weights and their average of a run with LOOP's flags equal the reference's; it clipped as often."""
+    a, b = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
+    for key in ("state_dict", "model_ema"):
+        assert_same_tensors(a[key], b[key], exact=exact)
+    assert 0 < metrics(out)[0]["clipped_percent"] == metrics(reference)[0]["clipped_percent"]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Tests that need a tool (Horovod, Slurm) may skip on a laptop, never in CI."""

@@ -90,6 +90,9 @@ CASES = {
                                                      checkpoint(t, arch="mobilenet_v3_small", args={"dropout": 0.5})],
                                     r"trained with --dropout 0.5, this run has the model's own dropout: continue it "
                                     r"with --dropout 0.5"),
+    "resume from weights alone": (1, lambda d, t: [d, "--resume", checkpoint(t)],
+                                  r"ckpt.pth.tar holds weights but no training state \(epoch, optimizer, scheduler, "
+                                  r"scaler, best_acc1\): evaluate it with -e"),
     "resume checkpoint of another arch": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="resnet50")],
                                           r"ckpt.pth.tar holds a resnet50 model, not resnet18: pass -a resnet50"),
     "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"],

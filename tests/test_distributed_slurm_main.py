@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from conftest import (BIN, EPOCHS, OUTPUT_FILES, RESUME, ROOT, Job, assert_same_run, import_script, load, metrics, ok,
-                      python)
+from conftest import (BIN, EPOCHS, LOOP, OUTPUT_FILES, RESUME, ROOT, Job, assert_same_loop, assert_same_run,
+                      import_script, load, metrics, ok, python)
 
 SCRIPT = "distributed_slurm_main.py"
 BASE = os.environ.get("LOCAL_SLURM_BASE", "/tmp/pytorch-multigpu-slurm")
@@ -118,6 +118,13 @@ def test_one_task_per_node_spawning_two_processes_equals_torchrun(slurm, image_d
                   "--output-dir", tmp_path), timeout=400)
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
     assert_same_run(tmp_path, uninterrupted)
+
+
+def test_the_training_loop_flags_under_srun_equal_torchrun(slurm, image_data, tmp_path, loop_reference):
+    """--grad-accum-steps, --clip-grad-norm, --label-smoothing and --model-ema, with loader workers, across two
+    nodes: the weights and their average of distributed.py under torchrun, bit for bit."""
+    ok(srun(slurm, ["-N2", "-n2"], image_data, *LOOP, "--output-dir", tmp_path), timeout=400)
+    assert_same_loop(tmp_path, loop_reference, exact=True)
 
 
 def test_one_task_per_node_on_two_nodes_with_a_rendezvous_file(slurm, image_data, tmp_path):

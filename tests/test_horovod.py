@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from conftest import (BIN, CHECKPOINT_KEYS, FAST, ROOT, Job, assert_same_tensors, free_port, freeze, import_script,
-                      load, metrics, ok, python, torchrun)
+from conftest import (BIN, CHECKPOINT_KEYS, FAST, LOOP, ROOT, Job, assert_same_tensors, free_port, freeze,
+                      import_script, load, metrics, ok, python, torchrun)
 from test_bad_input import assert_one_clear_line
 from test_distributed import val_line
 
@@ -64,12 +64,23 @@ def ddp_weights(image_data, tmp_path_factory):
     return load(out / "checkpoint.pth.tar")["state_dict"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--batches-per-allreduce", "2"]], ids=["one-pass", "two-passes-per-allreduce"])
+@pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", "2"]], ids=["one-pass", "two-micro-batches"])
 def test_horovod_gives_the_weights_of_ddp(extra, image_data, tmp_path, ddp_weights):
     """Same seed, data and global batch: Horovod ends where DDP ends, also when each process's batch
-    is split into two backward passes per all-reduce."""
+    is split into two backward passes per all-reduce (backward_passes_per_step)."""
     ok(horovodrun(2, image_data, *EQUIVALENCE, *extra, "--output-dir", tmp_path))
     assert_same_tensors(load(tmp_path / "checkpoint.pth.tar")["state_dict"], ddp_weights, exact=False, **TOLERANCE)
+
+
+def test_horovod_clips_averaged_gradients_and_keeps_the_average_of_ddp(image_data, tmp_path, loop_reference):
+    """--clip-grad-norm after synchronize(): on the averaged gradients, as DDP clips them; --grad-accum-steps,
+    --model-ema and --label-smoothing alike; the profile's all-reduce is the wait in synchronize()."""
+    job = ok(horovodrun(2, image_data, *LOOP, "--profile", "2", "--output-dir", tmp_path))
+    ours, ddp = load(tmp_path / "checkpoint.pth.tar"), load(loop_reference / "checkpoint.pth.tar")
+    for key in ("state_dict", "model_ema"):
+        assert_same_tensors(ours[key], ddp[key], exact=False, **TOLERANCE)
+    assert metrics(tmp_path)[0]["clipped_percent"] == metrics(loop_reference)[0]["clipped_percent"] > 0
+    assert re.search(r"^\[0\]<stdout>:profile: 2 steps, .* \+ all-reduce [\d.]+ \+ optimizer", job.output, re.M)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])

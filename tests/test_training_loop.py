@@ -11,12 +11,11 @@ import torch
 import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import FAST, RESUME, assert_same_tensors, import_script, load, metrics, ok, python, torchrun
+from conftest import (FAST, LOOP, NO_BN, RESUME, assert_same_loop, assert_same_tensors, import_script, load, metrics,
+                      ok, python, spawn, torchrun)
 from test_distributed import val_line
 
 SCRIPT = "distributed.py"
-# no BatchNorm and no dropout: the weights do not depend on how a batch is split
-NO_BN = [*FAST, "-a", "squeezenet1_1", "--dropout", "0", "--epochs", "1"]
 PARTS = ("data wait", "forward/backward", "all-reduce", "optimizer", "other")
 PROFILE = re.compile(r"^profile: (\d+) steps, ([\d.]+) ms each = " + r" \+ ".join(rf"{p} (-?[\d.]+)" for p in PARTS)
                      + r" ms; ([\d.]+) all-reduces per step; trace in (\S+)$", re.M)
@@ -61,6 +60,20 @@ def test_profile_writes_a_trace_and_a_summary_whose_parts_add_up_to_the_step(one
     assert {"train step", "data wait", "forward/backward", "optimizer", "gloo:all_reduce"} <= names
     assert sum(e.get("name") == "train step" for e in events) == 3
     assert not (out / "profile" / "rank1.pt.trace.json").exists()  # rank 0's only, without --profile-all-ranks
+
+
+@pytest.mark.parametrize("launch", ["spawn", "dataparallel", "apex O0"])
+def test_every_launcher_runs_the_loop_as_distributed_py_does(launch, loop_reference, image_data, tmp_path):
+    """The loop is the same text in every script (the launcher part gives it no_sync or not): spawn's DDP equals
+    torchrun's bit for bit; DataParallel's one process (its global batch in 2 micro-batches) and apex's loop
+    (a torch.amp GradScaler subclass, apex's fused-optimizer path) equal it to rounding."""
+    if launch == "spawn":
+        ok(spawn("multiprocessing_distributed.py", 2, image_data, *LOOP, "--output-dir", tmp_path))
+    elif launch == "dataparallel":
+        ok(python("dataparallel.py", image_data, *LOOP, "--output-dir", tmp_path))
+    else:
+        ok(torchrun("apex_distributed.py", 2, image_data, *LOOP, "--opt-level", "O0", "--output-dir", tmp_path))
+    assert_same_loop(tmp_path, loop_reference, exact=launch == "spawn")
 
 
 def test_a_tiny_clip_threshold_changes_the_update_and_the_log_counts_it(one_pass, image_data, tmp_path):
