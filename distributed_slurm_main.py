@@ -432,7 +432,7 @@ def main_worker(args, local_index=None):
     amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype)
-    run.ema, run.profiler = ema, StepProfiler(args, rank, device, log)
+    run.ema, run.profiler = ema, StepProfiler(args, rank, device, log, steps_per_epoch)
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
         log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)})")
@@ -990,16 +990,21 @@ def span_common(spans, others):
 
 class StepProfiler:
     """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (compilation, cuDNN's search,
-    the allocator), on rank 0, or on every rank with --profile-all-ranks. Writes
+    the allocator; fewer when the run is too short for both), on rank 0, or on every rank with --profile-all-ranks.
+    Writes
     <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler plugin open
     it) and logs where the step time went. While it records, each part of a step waits for the GPU at its end, so
     that every part is timed where it runs."""
     WARMUP = 5
 
-    def __init__(self, args, rank, device, log):
-        self.steps, self.device, self.log, self.profiler, self.done = args.profile or 0, device, log, None, 0
+    def __init__(self, args, rank, device, log, steps_per_epoch):
+        benchmark = getattr(args, "benchmark", 0)
+        total = benchmark + max(benchmark // 10, 1) if benchmark else steps_per_epoch * args.epochs
+        self.steps = min(args.profile or 0, total)
+        self.device, self.log, self.profiler, self.done = device, log, None, 0
         self.path = os.path.join(args.output_dir, "profile", f"rank{rank}.pt.trace.json")
-        self.skip = self.WARMUP if self.steps and (rank == 0 or args.profile_all_ranks) else math.inf
+        wanted = self.steps and (rank == 0 or args.profile_all_ranks)
+        self.skip = min(self.WARMUP, total - self.steps) if wanted else math.inf
 
     def region(self, name):
         """A named part of the step, recorded (and waited for on the GPU) while the profiler records."""

@@ -88,8 +88,8 @@ def loop_step(module, model, optimizer, scaler, max_norm):
     """One optimizer_step of a script, as train_step calls it, on gradients already in place."""
     run = module.RunState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), scaler,
                           None)
-    run.profiler = module.StepProfiler(types.SimpleNamespace(profile=None, output_dir="."), 0, torch.device("cpu"),
-                                       print)
+    run.profiler = module.StepProfiler(types.SimpleNamespace(profile=None, output_dir=".", epochs=1), 0,
+                                       torch.device("cpu"), print, 1)
     return float(module.optimizer_step(run, types.SimpleNamespace(clip_grad_norm=max_norm)))
 
 
