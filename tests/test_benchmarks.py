@@ -14,6 +14,9 @@ BENCHMARKS = {
                           r"b / a = [\d.]+ \(target >= 1.8\)   b / c = [\d.]+ \(target >= 0.7\)"
                           r"[\s\S]*DataLoader with 1 worker[\s\S]*\nb / a = [\d.]+\n"),
     "loop_overhead.py": (["--steps", "3", "--rounds", "1"], r"\(2\) this repository.* ms/step  overhead +[-+][\d.]+%"),
+    "training_loop.py": (["--allow-cpu", "-a", "resnet18", "--crop-size", "32", "-b", "16", "--steps", "2",
+                          "--rounds", "1", "--variants", "baseline", "all-loop-flags"],
+                         r"\nall-loop-flags +\d+ +[\d.]+ +--grad-accum-steps 2 .*\nmachine: "),
     "scaling.py": (["--steps", "2", "--dummy-size", "32", "--crop-size", "32", "-b", "16"],
                    r"\n +2 +\d+ +\d+% +\d+ +\d+%"),
 }
