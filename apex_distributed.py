@@ -955,18 +955,22 @@ def span_union(spans):
 
 
 def span_common(spans, others):
-    """The pieces of time that `spans` and `others` (both unions) share."""
-    return [(max(a, c), min(b, d)) for a, b in span_union(spans) for c, d in span_union(others)
-            if min(b, d) > max(a, c)]
+    """The pieces of time that `spans` and `others` share (one pass over both, sorted)."""
+    mine, theirs, common, i, j = span_union(spans), span_union(others), [], 0, 0
+    while i < len(mine) and j < len(theirs):
+        start, end = max(mine[i][0], theirs[j][0]), min(mine[i][1], theirs[j][1])
+        if end > start:
+            common.append((start, end))
+        i, j = (i + 1, j) if mine[i][1] < theirs[j][1] else (i, j + 1)
+    return common
 
 
 class StepProfiler:
     """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (compilation, cuDNN's search,
     the allocator; fewer when the run is too short for both), on rank 0, or on every rank with --profile-all-ranks.
-    Writes
-    <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler plugin open
-    it) and logs where the step time went. While it records, each part of a step waits for the GPU at its end, so
-    that every part is timed where it runs."""
+    Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler
+    plugin open it) and logs where the step time went. While it records, each part of a step waits for the GPU
+    at its end, so that every part is timed where it runs."""
     WARMUP = 5
 
     def __init__(self, args, rank, device, log, steps_per_epoch):
@@ -1481,7 +1485,8 @@ def load_checkpoint(path, arch):
     if ckpt.get("arch", arch) != arch:
         raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another "
                         f"checkpoint")
-    for prefix in ("module.", "_orig_mod."):  # a DDP or DataParallel wrapper's, torch.compile's (e.g. nanoGPT's)
+    # a DDP or DataParallel wrapper's prefix, torch.compile's (nanoGPT saves it), or both in either order
+    for prefix in ("module.", "_orig_mod.", "module."):
         consume_prefix_in_state_dict_if_present(ckpt["state_dict"], prefix)
     return ckpt
 

@@ -198,6 +198,13 @@ def test_compile_trains_and_its_checkpoint_loads_into_a_plain_model_and_evaluate
     assert val_line(ok(python(SCRIPT, image_data, *FAST, "-e", "--resume", tmp_path / "elsewhere.pth")))[0] == loss
 
 
+def test_the_profile_summary_measures_overlaps_of_time_spans():
+    module = import_script(SCRIPT)
+    assert module.span_union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [[0, 4], [5, 6]]
+    assert module.span_common([(0, 4), (5, 6)], [(1, 2), (3, 5.5), (7, 8)]) == [(1, 2), (3, 4), (5, 5.5)]
+    assert module.span_common([(0, 1)], []) == []
+
+
 @pytest.mark.parametrize("no_tf32", [False, True])
 def test_tf32_is_on_unless_no_tf32(no_tf32):
     module = import_script(SCRIPT)
