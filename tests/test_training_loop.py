@@ -4,6 +4,7 @@ optimizer step), --compile (checkpoints without `_orig_mod.`), --clip-grad-norm 
 and --profile (a trace, a summary whose parts add up)."""
 import json
 import re
+import signal
 import types
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import (FAST, LOOP, NO_BN, RESUME, assert_same_loop, assert_same_tensors, import_script, load, metrics,
-                      ok, python, spawn, torchrun)
+from conftest import (FAST, LOOP, NO_BN, RESUME, assert_preempted, assert_same_loop, assert_same_run,
+                      assert_same_tensors, import_script, load, metrics, ok, python, spawn, torchrun)
 from test_distributed import val_line
 
 SCRIPT = "distributed.py"
@@ -178,6 +179,24 @@ def test_model_ema_is_the_average_of_the_epochs_weights_and_resumes_bit_for_bit(
                           tmp_path / "whole" / "checkpoint.pth.tar"))
     ema_line = re.search(r"^val ema: loss ([\d.]+) acc1 ([\d.]+)", evaluated.output, re.M)
     assert ema_line and float(ema_line[1]) == pytest.approx(rows[-1]["val_loss_ema"], abs=1e-6), evaluated.output
+
+
+def test_a_preempted_run_with_every_loop_flag_resumes_bit_for_bit(image_data, tmp_path):
+    """SIGTERM to one rank mid-epoch, with micro-batches, clipping and an average updated every step: the run
+    stops between two optimizer steps, and resumed it ends with the uninterrupted run's weights, average,
+    optimizer state and metrics, bit for bit."""
+    args = [image_data, *RESUME, "--epochs", "2", "--grad-accum-steps", "2", "--clip-grad-norm", "0.5",
+            "--label-smoothing", "0.1", "--model-ema", "--model-ema-decay", "0.9"]
+    ok(torchrun(SCRIPT, 2, *args, "--output-dir", tmp_path / "whole"))
+    job = torchrun(SCRIPT, 2, *args, "--output-dir", tmp_path / "cut")
+    job.wait_for_line("Epoch 0 [ 2/12]")
+    job.process_of_rank(1).send_signal(signal.SIGTERM)
+    step = assert_preempted(job, tmp_path / "cut")
+    resumed = ok(torchrun(SCRIPT, 2, *args, "--resume", "auto", "--output-dir", tmp_path / "cut"))
+    assert f"(epoch 0, step {step})" in resumed.output
+    assert_same_run(tmp_path / "cut", tmp_path / "whole", epochs=2)
+    assert_same_tensors(load(tmp_path / "cut" / "checkpoint.pth.tar")["model_ema"],
+                        load(tmp_path / "whole" / "checkpoint.pth.tar")["model_ema"])
 
 
 def test_compile_trains_and_its_checkpoint_loads_into_a_plain_model_and_evaluates(image_data, tmp_path):
