@@ -37,7 +37,7 @@ RESUME = [*FAST, "--deterministic", "-p", "1"]
 # epochs reached 70% on one CPU and only 50% on another; four reached it on both, and for 8 of 8 data seeds
 EPOCHS = 4
 CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
-                   "world_size", "rng_states", "train_sums"}
+                   "world_size", "rng_states", "train_sums", "model_ema"}
 # what a training run leaves in --output-dir (run.lock: the lock a second run given the folder stops at)
 OUTPUT_FILES = ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "run.lock", "tb"]
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
