@@ -37,11 +37,11 @@ BUG_AT_STEP_3 = """
 import runpy, sys
 module = runpy.run_path(sys.argv.pop(1), run_name="with_a_bug")  # defines the functions, runs nothing
 train_step, steps = module["train_step"], []
-def failing_step(run, images, target):
+def failing_step(*args):
     steps.append(1)
     if len(steps) == 3:
         raise ValueError("a bug in the training step")
-    return train_step(run, images, target)
+    return train_step(*args)
 module["main_worker"].__globals__["train_step"] = failing_step
 module["main"]()
 """
