@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -77,8 +78,10 @@ def parse_args(argv=None):
     add("--epochs", type=number(int, 0), default=90)
     add("-b", "--batch-size", type=number(int, 1), default=256,
         help="global batch over all processes; divides by the world size")
-    add("--lr", type=number(float, 0), default=0.1, help="learning rate for the global batch")
-    add("--momentum", type=number(float, 0, below=1), default=0.9)
+    add("--opt", choices=("sgd", "adamw"), default="sgd", help="SGD with momentum, or AdamW")
+    add("--lr", type=number(float, 0), default=None,
+        help="learning rate for the global batch (default: 0.1 for SGD, 0.001 for AdamW)")
+    add("--momentum", type=number(float, 0, below=1), default=0.9, help="SGD's momentum")
     add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
     add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
     add("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step")
@@ -263,9 +266,7 @@ def prepare_model(model, args, device, log):
 
 def build_optimizer(model, args, device, log):
     # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
-    optimizer = torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum,
-                                fused=device.type == "cuda")
-    return optimizer
+    return new_optimizer(model, args, fused=device.type == "cuda")
 
 
 def setup_precision(model, optimizer, args, device, log):
@@ -461,7 +462,7 @@ def main_worker(args, local_index=None):
             train = train_one_epoch(run, train_batches, preemption, args, log, show_bar)
             if train is None:
                 run.save(args, rank, is_best=False)
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step {run.step}; "
+                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch} step {run.step}; "
                     f"continue with --resume auto")
                 return preemption.signum
             train_seconds = time.time() - started
@@ -485,7 +486,7 @@ def main_worker(args, local_index=None):
                 + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
                 + f" | {row['img_per_s']:.0f} img/s")
             if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; "
+                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} after epoch {epoch}; "
                     f"continue with --resume auto")
                 return preemption.signum
     except RuntimeError as e:  # a collective that gave up waiting for a rank
@@ -752,6 +753,7 @@ def check_args(args):
     checked here, right after parsing, before any process waits for another."""
     args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
     args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
+    args.lr = {"sgd": 0.1, "adamw": 0.001}[args.opt] if args.lr is None else args.lr
     if args.epochs == 0 and not (args.evaluate or args.benchmark):
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
     if args.val_resize < args.crop_size:
@@ -883,6 +885,13 @@ def param_groups(model, args):
     return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def new_optimizer(model, args, fused):
+    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments)."""
+    if args.opt == "adamw":
+        return torch.optim.AdamW(param_groups(model, args), lr=args.lr, fused=fused)
+    return torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum, fused=fused)
+
+
 def lr_factor(step, steps_per_epoch, args):
     """Multiplier of --lr after `step` optimizer steps: linear warmup, then step or cosine decay."""
     epoch = step / steps_per_epoch
@@ -923,7 +932,9 @@ def optimizer_step(run, args):
         if args.clip_grad_norm:
             run.scaler.unscale_(run.optimizer)
             params = [p for group in run.optimizer.param_groups for p in group["params"]]
-            clipped = (torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm) > args.clip_grad_norm).double()
+            norm = torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's: a DTensor
+            clipped = (norm > args.clip_grad_norm).double()
         run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
         run.scaler.update()
         run.scheduler.step()
@@ -1380,10 +1391,28 @@ def benchmark(run, preemption, args, world_size, log):
         if train is None:
             return
     log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "
-        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}")
+        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}; "
+        f"{memory_use(run, device)}")
+
+
+def memory_use(run, device):
+    """This process's memory: what it holds of the weights, their gradients and the optimizer state (a sharded
+    model's shards only), and its peak: the GPU's allocations, or on the CPU the whole process (Python too)."""
+    params = list(run.model.parameters())
+    state = [value for per_param in run.optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor)]
+    held = sum(getattr(t, "_local_tensor", t).nbytes for t in [*params, *(p.grad for p in params), *state]
+               if t is not None)  # a DTensor's _local_tensor: this rank's shard
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+    return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
 
 
 # --- Checkpoint files and random states ----------------------------------------------------
+# in --output-dir: the file --resume auto takes
+CHECKPOINT = "checkpoint.pth.tar"
+
+
 def set_seed(seed):
     random.seed(seed)
     torch.manual_seed(seed)
@@ -1468,7 +1497,7 @@ def tensor_bytes(obj):
 def save_checkpoint(state, is_best, output_dir):
     """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
     gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
-    path = os.path.join(output_dir, "checkpoint.pth.tar")
+    path = os.path.join(output_dir, CHECKPOINT)
     try:
         atomic_write(path, lambda f: torch.save(state, f))
         if is_best:
@@ -1487,23 +1516,28 @@ def save_checkpoint(state, is_best, output_dir):
 
 def resume_path(args):
     if args.resume == "auto":
-        path = os.path.join(args.output_dir, "checkpoint.pth.tar")
+        path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.exists(path) else None
     if args.resume and not os.path.exists(args.resume):
         raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
     return args.resume or None
 
 
-def load_checkpoint(path, arch):
-    """The checkpoint, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
+def read_checkpoint(path):
+    """The file's content, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
     copies weights and optimizer state to the model's device itself, and a copy kept on the GPU would
     take a model's worth of its memory for the whole run."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
                         f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+
+
+def load_checkpoint(path, arch):
+    """The checkpoint, checked to be a training checkpoint of --arch, its weights without a wrapper's prefix."""
+    ckpt = read_checkpoint(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
     if ckpt.get("arch", arch) not in MODEL_NAMES:

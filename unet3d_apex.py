@@ -340,7 +340,7 @@ def main_worker(args, local_index=None):
             train = train_one_epoch(run, train_batches, preemption, args, log, show_bar)
             if train is None:
                 run.save(args, rank, is_best=False)
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar at epoch {epoch} step {run.step}; "
+                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch} step {run.step}; "
                     f"continue with --resume auto")
                 return preemption.signum
             train_seconds, lr = time.time() - started, optimizer.param_groups[0]["lr"]
@@ -361,7 +361,7 @@ def main_worker(args, local_index=None):
                 f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
                 f"{row['img_per_s']:.1f} img/s")
             if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
-                log(f"preempted: saved {args.output_dir}/checkpoint.pth.tar after epoch {epoch}; "
+                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} after epoch {epoch}; "
                     f"continue with --resume auto")
                 return preemption.signum
     except RuntimeError as e:  # a collective that gave up waiting for a rank
@@ -548,14 +548,8 @@ def check_and_load(args, rank, world_size, device):
 
 
 def load_checkpoint(path, config):
-    """The checkpoint, on the CPU: random states must reach set_rng_state as CPU tensors, and a copy kept on
-    the GPU would take a model's worth of its memory for the whole run."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
-                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+    """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape, without a wrapper's prefix."""
+    ckpt = read_checkpoint(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":
         raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")
     if ckpt["model"] != config:
@@ -1092,6 +1086,10 @@ def write_epoch(row, writer, output_dir):
 
 
 # --- Checkpoint files and random states ----------------------------------------------------
+# in --output-dir: the file --resume auto takes
+CHECKPOINT = "checkpoint.pth.tar"
+
+
 def set_seed(seed):
     random.seed(seed)
     torch.manual_seed(seed)
@@ -1176,7 +1174,7 @@ def tensor_bytes(obj):
 def save_checkpoint(state, is_best, output_dir):
     """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
     gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
-    path = os.path.join(output_dir, "checkpoint.pth.tar")
+    path = os.path.join(output_dir, CHECKPOINT)
     try:
         atomic_write(path, lambda f: torch.save(state, f))
         if is_best:
@@ -1195,11 +1193,23 @@ def save_checkpoint(state, is_best, output_dir):
 
 def resume_path(args):
     if args.resume == "auto":
-        path = os.path.join(args.output_dir, "checkpoint.pth.tar")
+        path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.exists(path) else None
     if args.resume and not os.path.exists(args.resume):
         raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
     return args.resume or None
+
+
+def read_checkpoint(path):
+    """The file's content, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
+    copies weights and optimizer state to the model's device itself, and a copy kept on the GPU would
+    take a model's worth of its memory for the whole run."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
+                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
 
 
 def check_same_checkpoint(views):

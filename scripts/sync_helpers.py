@@ -26,13 +26,15 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"
 # the appendix
 APPENDIX = ["UserError", "RankError", "Parser", "number", "stopped_answering", "exit_bad_input",
             "join_process_group", "die_with_parent", "Preemption", "check_args", "check_and_load", "check_model",
-            "build_model", "param_groups", "lr_factor", "forward_backward", "optimizer_step", "ModelEMA", "set_tf32",
-            "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages",
+            "build_model", "param_groups", "new_optimizer", "lr_factor", "forward_backward", "optimizer_step",
+            "ModelEMA", "set_tf32", "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD",
+            "SyntheticImages",
             "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "build_loaders",
             "start_loader_worker", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
-            "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "set_seed",
+            "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "memory_use",
+            "CHECKPOINT", "set_seed",
             "rng_state", "set_rng_state", "atomic_write", "claim_output_dir", "tensor_bytes", "save_checkpoint",
-            "resume_path", "load_checkpoint", "check_fit", "check_same_checkpoint"]
+            "resume_path", "read_checkpoint", "load_checkpoint", "check_fit", "check_same_checkpoint"]
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
 # the reference's text
@@ -54,11 +56,12 @@ OWN = {
 }
 # shared names a sibling has no use for: no process group of torch.distributed's
 NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
-               "unet3d_apex.py": {"check_fit", "check_model", "build_model", "param_groups", "lr_factor",
-                                  "forward_backward", "optimizer_step", "ModelEMA", "set_tf32", "span_union",
-                                  "span_common", "StepProfiler",
+               "unet3d_apex.py": {"check_fit", "check_model", "build_model", "param_groups", "new_optimizer",
+                                  "lr_factor", "forward_backward", "optimizer_step", "ModelEMA", "set_tf32",
+                                  "span_union", "span_common", "StepProfiler",
                                   "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image",
                                   "RandomResizedCropFlip", "collate", "Prefetcher", "accuracy", "Metrics", "benchmark",
+                                  "memory_use",
                                   "MODEL_NAMES"}}
 
 
