@@ -1562,6 +1562,10 @@ def check_fit(path, ckpt, model, args):
                 for value in (trained, args.dropout)}
         raise UserError(f"{path} was trained with {said[trained]}, this run has {said[args.dropout]}: continue it "
                         f"with {said[trained]}, or train without --resume")
+    trained = ckpt.get("args", {}).get("opt", "sgd")  # checkpoints from before --opt: SGD's
+    if trained != args.opt and not args.evaluate:
+        raise UserError(f"{path} was trained with --opt {trained}, this run has --opt {args.opt}: continue it with "
+                        f"--opt {trained}, or train without --resume")
     own, saved = model.state_dict(), ckpt["state_dict"]
     missing, unknown = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
     if missing or unknown:

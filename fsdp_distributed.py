@@ -1,0 +1,1629 @@
+"""ImageNet training with the model sharded over the processes (FSDP2, fully_shard), started by torchrun.
+
+distributed.py with every process keeping a 1/N shard of the weights, their gradients and the optimizer state
+instead of a whole copy: for models (ViT-H, large ConvNeXts with AdamW) that one GPU cannot hold with all three.
+
+    # one node, 8 GPUs
+    torchrun --standalone --nproc_per_node=8 fsdp_distributed.py /data/imagenet -a vit_h_14 --amp bf16 --opt adamw
+    # two nodes (run on each, R = 0 or 1); --replicate-nodes: shard within a node, replicate across nodes
+    torchrun --nnodes=2 --node-rank=R --nproc_per_node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:29400 fsdp_distributed.py /data/imagenet --replicate-nodes
+    # CPU demo, no dataset needed (gloo backend)
+    torchrun --standalone --nproc_per_node=2 fsdp_distributed.py --dummy --crop-size 64 -b 64 --epochs 3
+    # export the full weights of a sharded checkpoint, for distributed.py or any other script
+    torchrun --standalone --nproc_per_node=2 fsdp_distributed.py --dummy -e --resume output/checkpoint.dcp \
+        --export full.pth.tar
+
+What differs from distributed.py: prepare_model shards each block of the model and the rest (fully_shard) instead of
+DDP's wrapping; --amp is a MixedPrecisionPolicy (weights gathered and computed in the half dtype, gradients reduced
+in fp32), not autocast; the checkpoint is a folder of shards that every rank writes its part of, and that loads on
+any number of processes (torch.distributed.checkpoint); model_best.pth.tar and --export hold the full weights.
+"""
+import argparse
+import atexit
+import contextlib
+import copy
+import ctypes
+import datetime
+import fcntl
+import functools
+import glob
+import json
+import math
+import multiprocessing
+import os
+import random
+import resource
+import shutil
+import signal
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch._dynamo  # noqa: F401 (import before any process group, or it keeps the group alive and exit aborts)
+import torch.nn.functional as F
+import torchvision
+from PIL import Image
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim import swa_utils
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.tensorboard import SummaryWriter
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__.split("\n")[0])
+    add = p.add_argument
+    add("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (not needed with --dummy)")
+    add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
+    add("--dummy-size", type=number(int, 1), default=1280, metavar="N",
+        help="with --dummy: training images (validation: N/4)")
+    add("-a", "--arch", default="resnet18", metavar="ARCH", help="any torchvision classification model")
+    add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
+    add("--dropout", type=number(float, 0, below=1), default=None,
+        help="dropout rate for models that take one (0 turns it off)")
+    add("-j", "--workers", type=number(int, 0), default=4, help="data loading processes per training process")
+    add("--epochs", type=number(int, 0), default=90)
+    add("-b", "--batch-size", type=number(int, 1), default=256,
+        help="global batch over all processes; divides by the world size")
+    add("--opt", choices=("sgd", "adamw"), default="sgd", help="SGD with momentum, or AdamW")
+    add("--lr", type=number(float, 0), default=None,
+        help="learning rate for the global batch (default: 0.1 for SGD, 0.001 for AdamW)")
+    add("--momentum", type=number(float, 0, below=1), default=0.9, help="SGD's momentum")
+    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
+    add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
+    add("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step")
+    add("--lr-step", type=number(int, 1), default=30, help="epochs between step decays")
+    add("--warmup-epochs", type=number(float, 0), default=0.0, help="linear warmup from 0 to --lr")
+    add("--crop-size", type=number(int, 1), default=224)
+    add("--val-resize", type=number(int, 1), default=None,
+        help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
+    add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
+    add("--channels-last", action="store_true")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--no-tf32", action="store_true",
+        help="full fp32 matmuls and convolutions (default: TF32 where the GPU has it)")
+    add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")
+    add("--grad-accum-steps", type=number(int, 1), default=1, metavar="K",
+        help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
+    add("--label-smoothing", type=number(float, 0, below=1), default=0.0, help="in the training loss only")
+    add("--clip-grad-norm", type=number(float, above=0), default=None, metavar="X",
+        help="clip the global norm of the (unscaled, all-reduced) gradients to X")
+    add("--model-ema", action="store_true", help="keep an exponential moving average of the weights, evaluated too")
+    add("--model-ema-decay", type=number(float, 0, below=1), default=None, metavar="D", help="default 0.9998")
+    add("--model-ema-steps", type=number(int, 1), default=None, metavar="N", help="optimizer steps between updates (1)")
+    add("--profile", type=number(int, 1), default=None, metavar="STEPS",
+        help="torch.profiler over STEPS training steps after warm-up: a trace, and where the step time went")
+    add("--profile-all-ranks", action="store_true", help="with --profile: a trace from every rank, not rank 0's only")
+    add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
+    add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
+    add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
+    add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent results")
+    add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
+    add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
+    add("--benchmark", type=number(int, 0), default=0, metavar="N",
+        help="train N steps on synthetic batches already on the device (no data loading), print img/s, exit")
+    add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
+    add("--dist-timeout", type=number(float, above=0), default=1800, help="seconds a collective may wait for a peer")
+    add("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+        help="free each block's gathered weights after its forward and gather them again for backward (ZeRO-3); "
+             "--no-reshard-after-forward keeps them until backward (ZeRO-2: more memory, fewer all-gathers)")
+    add("--replicate-nodes", action="store_true",
+        help="shard within each node, replicate across nodes (HSDP): every step's all-gathers stay within a node")
+    add("--export", default=None, metavar="PATH",
+        help="write the full weights to PATH, in distributed.py's checkpoint format, when training ends "
+             "(with -e: the checkpoint's)")
+    return check_args(p.parse_args(argv))
+
+
+# =============================================================================================
+# The launcher part: torchrun, the process group, FSDP2. Every sibling defines these names, with
+# these parameters, its own way: find_processes, check_launch_args, start_process_group,
+# end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
+# wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
+# =============================================================================================
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def find_processes(args, local_index):
+    """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
+    without it. local_index: the process's index on its node, where the script starts the processes itself."""
+    present = [v for v in TORCHRUN_VARS if v in os.environ]
+    if set(present) & {"RANK", "LOCAL_RANK", "WORLD_SIZE"} and len(present) < len(TORCHRUN_VARS):
+        # exported by hand or left from another job (an address alone is harmless); no launcher: this one reports
+        raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in TORCHRUN_VARS if v not in present)}:"
+                        f" start the script with torchrun, or unset them to run one process")
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent started this process: a preemption when it dies
+        die_with_parent(signal.SIGTERM)
+    if not torch.cuda.is_available():
+        return rank, local_rank, world_size, torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise RankError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                        f"start at most that many processes per node (--nproc_per_node)")
+    torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
+    return rank, local_rank, world_size, torch.device("cuda", local_rank)
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher adds or reads its own way, checked before any process waits for another."""
+    if args.amp == "fp16" and device.type != "cuda":
+        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
+    if args.model_ema:
+        raise UserError("--model-ema: fsdp_distributed.py keeps no average of the weights (a whole copy on every rank "
+                        "is what sharding saves); drop it, or train with distributed.py")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if args.replicate_nodes and (world_size == per_node or world_size % per_node):
+        raise UserError(f"--replicate-nodes replicates the model across nodes of equal size, and this run has "
+                        f"{world_size} processes, {per_node} on this node: drop it, or start as many on every node")
+    if args.resume and os.path.isfile(args.resume) and not args.evaluate:
+        raise UserError(f"--resume {args.resume} is a file of full weights: fsdp_distributed.py resumes training "
+                        f"from its folders of shards ({CHECKPOINT}); evaluate the file with -e")
+    if args.export and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
+        raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
+
+
+def start_process_group(args, rank, world_size, device, log):
+    """Starts the process group: torchrun's, or without torchrun one of a single process (fully_shard needs a
+    group; it shards nothing then). Returns the group the processes agree on preemption in, None for one."""
+    if "WORLD_SIZE" not in os.environ:
+        join_process_group(args, dist.HashStore(), 0, 1, device)
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
+            "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # torchrun's store
+    return join_process_group(args, store, rank, world_size, device)
+
+
+def end_process_group():
+    """Frees the process group while Python is whole, joining gloo's worker threads (left to shutdown, one
+    still releasing a collective's tensors needs the GIL and aborts: "terminate called without an active
+    exception"). Freed only when nothing else holds it: the preemption handlers go first, and torch._dynamo is
+    imported at the top (torch 2.14 keeps references to a group that exists when it is first imported)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def describe_processes(args, world_size, device, group):
+    """How this run is spread, for the first line of the log."""
+    return (f"world size {world_size}, device {device.type}, backend {dist.get_backend() if group else 'none'}, "
+            f"global batch {args.batch_size} = {world_size} x {args.batch_size // world_size}")
+
+
+BATCHNORM = torch.nn.modules.batchnorm._BatchNorm
+
+
+def prepare_model(model, args, device, log):
+    """The model sharded over the processes (FSDP2): each block (blocks) is a group of its own, whose weights are
+    all-gathered just before its forward and its backward and freed after, and whose gradients are
+    reduce-scattered in backward; the root holds the rest. Each process keeps a 1/N shard of every weight (fp32),
+    of its gradient and of its optimizer state. With --amp, a MixedPrecisionPolicy: the gathered weights and the
+    computation in the half dtype, the gradients reduced in fp32. The model comes in on the CPU, the same on every
+    rank (check_and_load seeds it): fully_shard moves each group's shards to the device, one group at a time."""
+    if args.sync_bn and device.type == "cuda":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif args.sync_bn:
+        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    model = model.to(memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    mesh = device_mesh(args, device)
+    half = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
+    policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+    shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+    if half:  # BatchNorm in fp32 (its statistics need the precision), each a group of its own, as FSDP1 kept it
+        for norm in [m for m in model.modules() if isinstance(m, BATCHNORM)]:
+            shard(norm, mp_policy=MixedPrecisionPolicy(output_dtype=half))
+    groups = blocks(model)
+    for block in groups:  # bottom-up: a parameter belongs to the innermost group that holds it
+        shard(block, mp_policy=policy)
+    shard(model, mp_policy=policy)
+    model.input_size = args.crop_size  # for evaluate's empty batches
+    log(f"FSDP: {len(groups)} blocks and the root sharded over {'x'.join(map(str, mesh.shape))} processes "
+        f"({', '.join(mesh.mesh_dim_names)}), reshard after forward {'on' if args.reshard_after_forward else 'off'}"
+        + (f", {args.amp} weights and compute, fp32 gradient reduction" if half else ""))
+    return model
+
+
+def blocks(model):
+    """The groups to shard, a rule for every torchvision classifier: the members of each nn.Sequential and
+    nn.ModuleList that hold weights (ViT's encoder layers, ResNet's and ConvNeXt's blocks, VGG's layers), found
+    from the root down; a member that is itself a sequence (a stage of blocks) gives its members instead."""
+    found = []
+
+    def visit(module):
+        sequence = isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList))
+        for child in module.children():
+            if not any(True for _ in child.parameters()):
+                continue
+            if sequence and not isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList)):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def device_mesh(args, device):
+    """The processes to shard over: all of them; with --replicate-nodes a 2-D mesh, nodes x processes per node,
+    each node sharding over its own processes and the nodes holding replicas (HSDP), so that the all-gathers stay
+    on a node's fast links and only the gradients' all-reduce crosses nodes. The device type is named: left out,
+    it would be CUDA on any machine that has a GPU, even for a CPU run."""
+    world = dist.get_world_size()
+    if args.replicate_nodes:
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        return init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+
+
+def build_optimizer(model, args, device, log):
+    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
+    return new_optimizer(model, args, fused=device.type == "cuda")
+
+
+def setup_precision(model, optimizer, args, device, log):
+    """(None: no autocast, prepare_model's MixedPrecisionPolicy casts the weights; the loss scaler, for fp16
+    only). Each rank holds only its shards' gradients: ShardedGradScaler makes all of them agree whether a step
+    had an inf/NaN, so that every rank skips the same steps."""
+    return None, ShardedGradScaler(device.type, enabled=args.amp == "fp16")
+
+
+def wrap_model(model, args, device, amp_dtype):
+    """(the model that trains, the model that evaluates): the sharded model, both; fully_shard put its
+    collectives into forward and backward already."""
+    return model, model
+
+
+def train_step(run, images, target, args):
+    """One optimizer step on this process's batch, in --grad-accum-steps micro-batches: FSDP reduce-scatters
+    the gradients in the last one's backward() only, held back before (unsharded, as DDP's no_sync keeps them).
+    Returns the loss summed over the batch, the outputs, and whether the gradients were clipped."""
+    loss_sum, output = forward_backward(run, images, target, args, lambda: gradient_sync_held(run.model))
+    return loss_sum, output, optimizer_step(run, args)
+
+
+@contextlib.contextmanager
+def gradient_sync_held(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def reduce_tensor(tensor):
+    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
+    samples were split between ranks."""
+    tensor = tensor.clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def gather_objects(obj):
+    """obj from every rank, in rank order (one, without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
+def gather_rng_states():
+    """Every rank's random states, in rank order, for the checkpoint (every rank takes part)."""
+    return gather_objects(rng_state())
+
+
+def sync_buffers(model):
+    """BatchNorm statistics drift apart per rank; evaluate and save rank 0's, as a checkpoint holds."""
+    if dist.is_initialized():
+        for buf in model.buffers():
+            dist.broadcast(buf, 0)
+
+
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
+    return dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
+TRAIN_STATE = "train_state.pt"  # in a checkpoint folder: all but the weights and the optimizer state
+
+
+def save_sharded(shards, train_state, output_dir, rank):
+    """A checkpoint folder: every rank writes its shards of `shards` (torch.distributed.checkpoint; no rank
+    gathers the model), rank 0 the small `train_state`; then rank 0 points CHECKPOINT, a symbolic link, at the
+    new folder in one rename and removes the previous one. A crash at any moment leaves CHECKPOINT on a whole
+    folder. Every rank takes part."""
+    link = os.path.join(output_dir, CHECKPOINT)
+    folder = f"{link}.{gather_objects(time.time_ns())[0]}"  # rank 0's name, on every rank
+    try:
+        dcp.save(shards, checkpoint_id=folder)
+        if rank == 0:
+            atomic_write(os.path.join(folder, TRAIN_STATE), lambda f: torch.save(train_state, f))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{link}.tmp")
+            os.symlink(os.path.basename(folder), f"{link}.tmp")
+            os.replace(f"{link}.tmp", link)
+            for old in glob.glob(f"{glob.escape(link)}.*"):
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+        raise cannot_write(e, output_dir, tensor_bytes(shards)) from None
+
+
+def cannot_write(error, output_dir, size):
+    """The one line for a checkpoint that could not be written (the disk full, the folder gone)."""
+    free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[-1]
+    return RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason[:100]}): this rank's part "
+                     f"takes about {size / 2**20:.0f} MiB, {free:.0f} MiB are free there; make room or give another "
+                     f"--output-dir (the last checkpoint is kept)")
+
+
+# =============================================================================================
+# The training flow. main is how this launcher runs main_worker; main_worker, RunState,
+# train_one_epoch and evaluate are the same text in every ImageNet sibling.
+# =============================================================================================
+def main():
+    try:
+        main_worker(parse_args())
+    except UserError as e:  # one line per node: each node may see its own problem
+        exit_bad_input(e, reporter=int(os.environ.get("LOCAL_RANK", 0)) == 0)
+    finally:
+        end_process_group()  # left to interpreter exit, a gloo thread can abort the process
+
+
+def main_worker(args, local_index=None):
+    """One training process, from finding its peers to its last checkpoint. Returns the signal that
+    stopped it for preemption (its checkpoint written), or None."""
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
+    torch.backends.cudnn.benchmark = not args.deterministic
+    rank, local_rank, world_size, device = find_processes(args, local_index)
+    log = print_or_drop if rank == 0 else (lambda *a, **k: None)
+
+    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
+    output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
+    set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
+    group = start_process_group(args, rank, world_size, device, log)
+    check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))
+    preemption = Preemption(group)
+    num_classes, local_batch = len(train_set.classes), args.batch_size // world_size
+    log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
+        f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val images")
+    set_tf32(args, device, log)
+
+    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
+    steps_per_epoch = len(train_batches)
+
+    model = prepare_model(model, args, device, log)
+    ema = ModelEMA(model, args) if args.model_ema else None  # fp32: taken before setup_precision casts the model
+    optimizer = build_optimizer(model, args, device, log)
+    amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
+    run = RunState(model, optimizer, scheduler, scaler, amp_dtype)
+    run.ema, run.profiler = ema, StepProfiler(args, rank, device, log, steps_per_epoch)
+    if ckpt:
+        run.load_state_dict(ckpt, args, rank, world_size, log)
+        log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)})")
+        ckpt = None  # all of it is in place now: keep no second copy of the weights
+    run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
+    if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
+        run.train_model = torch.compile(run.train_model)
+
+    if args.benchmark:
+        benchmark(run, preemption, args, world_size, log)
+        return None
+    if args.evaluate:
+        for name, evaluated in [("val", run.eval_model)] + ([("val ema", ema.module)] if ema else []):
+            val = evaluate(evaluated, val_batches, amp_dtype)
+            log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
+                f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
+        return None
+
+    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
+    show_bar = rank == 0 and sys.stdout.isatty()
+    try:
+        while run.epoch < args.epochs:
+            epoch, started = run.epoch, time.time()
+            train_sampler.set_epoch(epoch)
+            train_sampler.start = run.step * local_batch
+            train = train_one_epoch(run, train_batches, preemption, args, log, show_bar)
+            if train is None:
+                run.save(args, rank, is_best=False)
+                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch} step {run.step}; "
+                    f"continue with --resume auto")
+                return preemption.signum
+            train_seconds = time.time() - started
+            sync_buffers(model)
+            val = evaluate(run.eval_model, val_batches, amp_dtype)
+            if ema:  # rank 0's BatchNorm statistics, as in the model
+                sync_buffers(ema.module)
+                val.update({f"{key}_ema": value for key, value in evaluate(ema.module, val_batches, amp_dtype).items()})
+            is_best = val["acc1"] > run.best_acc1
+            run.epoch, run.best_acc1 = epoch + 1, max(run.best_acc1, val["acc1"])
+            run.save(args, rank, is_best)
+            row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
+                   "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
+                   "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started,
+                   **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if ema},
+                   **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {})}
+            if rank == 0:
+                write_epoch(row, writer, args.output_dir)
+            log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
+                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}" + (f" | ema acc1 {val['acc1_ema']:.2f}" if ema else "")
+                + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
+                + f" | {row['img_per_s']:.0f} img/s")
+            if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
+                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} after epoch {epoch}; "
+                    f"continue with --resume auto")
+                return preemption.signum
+    except RuntimeError as e:  # a collective that gave up waiting for a rank
+        raise stopped_answering(e, args) from None
+    finally:
+        if writer:
+            writer.close()
+    return None
+
+
+class RunState:
+    """What a run carries from step to step and resumes: the model, optimizer, scheduler and loss scaler, where
+    it is (epoch, step within it), the best validation accuracy, the running sums of a preempted epoch, and the
+    random states. The one place that writes the checkpoint format and reads it back (README: Checkpoints): a
+    folder of shards (save_sharded), and the full weights in model_best.pth.tar and --export."""
+
+    def __init__(self, model, optimizer, scheduler, scaler, amp_dtype):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.amp_dtype, self.train_model, self.eval_model = amp_dtype, model, model
+        self.epoch, self.step, self.best_acc1, self.train_sums = 0, 0, 0.0, None
+        self.ema, self.profiler = None, None  # ModelEMA with --model-ema, StepProfiler
+
+    def save(self, args, rank, is_best):
+        """Every rank takes part (each writes its shards; their random states are gathered); rank 0 the rest."""
+        rng_states = gather_rng_states()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        save_sharded({"model": model_state, "optimizer": optimizer_state}, {
+            "epoch": self.epoch, "step": self.step, "arch": args.arch, "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "args": vars(args),
+            "world_size": len(rng_states), "rng_states": rng_states, "train_sums": self.train_sums,
+        }, args.output_dir, rank)
+        ended = bool(args.export) and self.epoch == args.epochs
+        self.export(args, rank, [os.path.join(args.output_dir, "model_best.pth.tar")] * is_best + [args.export] * ended)
+
+    def export(self, args, rank, paths):
+        """The full weights, gathered to rank 0's CPU, into each of `paths` in distributed.py's checkpoint format
+        (weights, no training state): distributed.py -e evaluates them, any sibling fine-tunes from them."""
+        if not paths:
+            return
+        weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {"epoch": self.epoch, "arch": args.arch, "state_dict": weights, "best_acc1": self.best_acc1,
+                 "args": vars(args)}
+        for path in paths if rank == 0 else ():
+            try:
+                atomic_write(path, lambda f: torch.save(state, f))
+            except (OSError, RuntimeError) as e:
+                raise cannot_write(e, os.path.dirname(os.path.abspath(path)), tensor_bytes(state)) from None
+
+    def load_state_dict(self, ckpt, args, rank, world_size, log):
+        """Everything back from a checkpoint (load_checkpoint's), only the weights for --evaluate: each rank reads
+        its shards from the folder, resharded when another number of processes wrote it; or, for -e, cuts them out of
+        a file's full weights."""
+        if "shards" not in ckpt:
+            set_model_state_dict(self.model, ckpt["state_dict"], options=StateDictOptions(full_state_dict=True))
+        elif args.evaluate:
+            weights = get_model_state_dict(self.model)
+            dcp.load({"model": weights}, checkpoint_id=ckpt["shards"])
+            set_model_state_dict(self.model, weights)
+        else:
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=ckpt["shards"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        self.epoch, self.step, self.best_acc1 = ckpt.get("epoch", 0), ckpt.get("step", 0), ckpt.get("best_acc1", 0.0)
+        if args.evaluate:
+            self.export(args, rank, [args.export] if args.export else [])
+            return
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt["scaler"]:  # empty when saved without loss scaling: the scaler starts afresh
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
+        if ckpt.get("world_size") == world_size:
+            set_rng_state(ckpt["rng_states"][rank])
+        else:
+            log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
+                f"random states start afresh (results match, but not bit for bit)")
+
+
+def train_one_epoch(run, batches, preemption, args, log, show_bar):
+    """One pass over this rank's share of the data, from step run.step on. Returns the epoch's summary (loss,
+    acc1, count), or None when every rank agreed to stop: run.step and run.train_sums then say where."""
+    run.train_model.train()
+    device = next(run.model.parameters()).device
+    metrics = Metrics(device)
+    if run.train_sums is not None:
+        metrics.sums[:len(run.train_sums)] += run.train_sums.to(device)  # this epoch's part before a preemption
+    steps_per_epoch, first_bad = run.step + len(batches), torch.full((), -1, device=device)
+    bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
+               disable=not show_bar)
+    last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[3].item()
+
+    def report(step):
+        nonlocal last_time, last_count
+        s = metrics.summary()
+        check_finite(s, first_bad, run.epoch)
+        now = time.time()
+        text = (f"loss {s['loss']:.4f} acc1 {s['acc1']:.2f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
+                f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.0f} img/s")
+        last_time, last_count = now, s["count"]
+        if show_bar:
+            bar.set_postfix_str(text)
+        else:
+            log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
+        return s
+
+    for step, (images, target) in enumerate(run.profiler.timed(batches), start=run.step):
+        if preemption.agreed():
+            bar.close()
+            run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()
+            return None
+        loss_sum, output, clipped = train_step(run, images, target, args)
+        metrics.update(loss_sum, output, target, clipped)
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
+        bar.update()
+        if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
+            report(step + 1)
+    summary = report(steps_per_epoch)
+    bar.close()
+    run.step, run.train_sums = 0, None
+    return summary
+
+
+def check_finite(summary, first_bad, epoch):
+    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
+    if summary["nonfinite"]:
+        step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
+        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
+                        f"lower --lr, add --warmup-epochs, or check the data")
+
+
+def evaluate(model, batches, amp_dtype):
+    """Each forward of the sharded model all-gathers the weights, a collective: a rank with fewer batches than
+    another (evaluation does not pad, to stay exact) runs empty ones until every rank has run as many. Under
+    no_grad, not inference_mode: FSDP keeps buffers from its first forward, which later steps must be able to use."""
+    model.eval()
+    device = next(model.parameters()).device
+    metrics = Metrics(device)
+    rounds = torch.tensor(len(batches), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+    with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        for images, target in batches:
+            output = model(images).float()
+            metrics.update(F.cross_entropy(output, target, reduction="sum"), output, target)
+        for _ in range(int(rounds) - len(batches)):
+            model(torch.empty(0, 3, model.input_size, model.input_size, device=device))
+    return metrics.summary()
+
+
+# =============================================================================================
+# Appendix: the helpers every script of this repository carries, the same text in each
+# (scripts/sync_helpers.py keeps them so; tests/test_helpers_identical.py checks it)
+# =============================================================================================
+# --- Errors: bad input is one line and exit code 2, from the rank that can say it ----------
+class UserError(Exception):
+    """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
+
+    def __str__(self):
+        # raised in a DataLoader worker, the message comes back wrapped in the worker's traceback
+        return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1]
+
+
+class RankError(UserError):
+    """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
+    prints its usage from every rank, and exits), exit code 2."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
+
+
+def number(kind, at_least=None, above=None, below=None):
+    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. number(int, 1)
+    for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
+    name = "an integer" if kind is int else "a number"
+    limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
+              f"< {below}" if below is not None else ""]
+    wanted = f"{name} {' and '.join(limit for limit in limits if limit)}".strip()
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
+        if not (math.isfinite(value) and (at_least is None or value >= at_least)
+                and (above is None or value > above) and (below is None or value < below)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        return value
+
+    convert.bounds = (kind, at_least, above, below)
+    return convert
+
+
+def stopped_answering(error, args):
+    """What to raise for a RuntimeError out of training: a collective that timed out, since a rank stopped
+    answering (frozen, stuck in I/O, on a node gone quiet), becomes one line; any other error stays itself."""
+    if not any(words in str(error).lower() for words in ("timed out", "timeout")):
+        return error
+    detail = str(error).strip().splitlines()[-1].split("] ")[-1][:100]  # without gloo's source location
+    return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
+                     f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
+                     f"--dist-timeout to notice sooner")
+
+
+def exit_bad_input(error, reporter):
+    """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
+    met a RankError). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
+    exit stops the others at once, and would otherwise stop the reporting rank before it has printed."""
+    if reporter or isinstance(error, RankError):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
+        time.sleep(30)
+    sys.exit(2)
+
+
+# --- Processes: the process group on a rendezvous store, agreeing on preemption ------------
+def join_process_group(args, store, rank, world_size, device):
+    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
+    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
+    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
+    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
+    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    try:
+        if "nccl" in backend and device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(device)
+            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+            store.add(key, 1)
+            if store.add("gpu-check/arrived", 1) == world_size:
+                store.set("gpu-check/done", "1")
+            store.wait(["gpu-check/done"])
+            if store.add(key, 0) > 1:
+                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU "
+                                f"({gpu.name}, cuda:{device.index} here), which NCCL does not allow: start one "
+                                f"process per GPU (Slurm: --gpus-per-task=1), or use --dist-backend gloo")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=args.dist_timeout),
+                                device_id=device if device.type == "cuda" else None)
+        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
+        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
+                        f"a rank elsewhere may have stopped (see the output of every node), or was never started"
+                        ) from None
+
+
+def die_with_parent(signum):
+    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
+    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
+    training process save its preemption checkpoint on the way out."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
+    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
+
+    def __init__(self, group):
+        self.group, self.requested, self.signum, self.wait = group, False, None, None
+        self.flag = torch.zeros(1)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested, self.signum = True, signum
+
+    def agreed(self):
+        """Called by every rank at every step: True on all ranks at the same step."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.wait is not None:
+            self.wait()
+            stop = self.flag.item() > 0
+        self.flag.fill_(float(self.requested))
+        self.wait = None if stop else sum_async(self.flag, self.group)
+        return stop
+
+    def agreed_now(self):
+        """Blocking agreement, at the end of an epoch."""
+        if self.group is None:
+            return self.requested
+        if self.wait is not None:
+            self.wait()
+        self.flag.fill_(float(self.requested))
+        sum_async(self.flag, self.group)()
+        self.wait = None
+        return self.flag.item() > 0
+
+
+# --- Checks before training, and the model -------------------------------------------------
+def check_args(args):
+    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
+    checked here, right after parsing, before any process waits for another."""
+    args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
+    args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
+    args.lr = {"sgd": 0.1, "adamw": 0.001}[args.opt] if args.lr is None else args.lr
+    if args.epochs == 0 and not (args.evaluate or args.benchmark):
+        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+    if args.val_resize < args.crop_size:
+        raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
+                        f"crop would be padded with black; give --val-resize {args.crop_size} or more")
+    for flag, needs in (("model_ema_decay", "model_ema"), ("model_ema_steps", "model_ema"),
+                        ("profile_all_ranks", "profile")):
+        if getattr(args, flag) not in (None, False) and not getattr(args, needs):
+            raise UserError(f"--{flag.replace('_', '-')} goes with --{needs.replace('_', '-')}: add it, or drop "
+                            f"--{flag.replace('_', '-')}")
+    if args.profile and args.evaluate:
+        raise UserError("--profile records training steps, and -e trains none: drop one of them")
+    args.model_ema_decay = 0.9998 if args.model_ema_decay is None else args.model_ema_decay
+    args.model_ema_steps = args.model_ema_steps or 1
+    return args
+
+
+def check_and_load(args, world_size, device):
+    """Everything that can fail on bad input, done before any process waits for another. Returns the
+    datasets, the model (the same initial weights on every rank), the checkpoint's path and the checkpoint."""
+    if args.arch not in MODEL_NAMES:
+        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
+                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
+    check_model(args)
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
+                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    if args.batch_size // world_size % args.grad_accum_steps:
+        raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
+                        f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
+    check_launch_args(args, world_size, device)
+    if not args.dummy and not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
+    for split in () if args.dummy else ("train", "val"):
+        if not os.path.isdir(os.path.join(args.data, split)):
+            raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, "
+                            f"one folder per class")
+    ckpt_path = resume_path(args)
+    ckpt = load_checkpoint(ckpt_path, args.arch) if ckpt_path else None
+    train_set, val_set = build_datasets(args)
+    if len(train_set) < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: "
+                        f"lower -b")
+    set_seed(args.seed)
+    model = build_model(args, len(train_set.classes))
+    if ckpt:
+        check_fit(ckpt_path, ckpt, model, args)
+    return train_set, val_set, model, ckpt_path, ckpt
+
+
+def check_model(args):
+    """Refuses, in one line and before any data is read, options the model does not take and a --crop-size it
+    cannot train at. One training forward pass of the model built on the meta device (shapes without memory or
+    arithmetic: 0.01-0.8 s) tells whether --crop-size fits; only when it does not, more passes find the size to
+    name: the only one a model built for one image size takes (vit_*, maxvit_t), or the smallest one the others
+    take (inception_v3 75, alexnet 63, vgg and convnext 32, densenet 29, ...)."""
+    try:
+        with torch.device("meta"):
+            model = build_model(args, 1000, load_weights=False).train()
+    except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
+        return  # they take any size
+
+    def failure(size):
+        """Why a training forward pass of 2 images of size x size fails; None if it works."""
+        try:
+            output = model(torch.empty(2, 3, size, size, device="meta"))
+        except NotImplementedError:  # an operation the meta device lacks: no verdict
+            return None
+        except (RuntimeError, AssertionError, ValueError) as e:  # shape checks
+            return str(e).strip().splitlines()[-1][:200]
+        return None if isinstance(output, torch.Tensor) else f"it returns {type(output).__name__}, not logits"
+
+    reason = failure(args.crop_size)
+    if reason is None:
+        return
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+    hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
+    fits = next((size for size in hints if size and failure(size) is None), None)
+    if fits is None:
+        raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason})")
+    if failure(fits + 1) is not None:
+        raise UserError(f"--arch {args.arch}{' --pretrained' if args.pretrained else ''} takes {fits}x{fits} images "
+                        f"only: use --crop-size {fits}")
+    low = fits - 1 if failure(fits - 1) else 0  # the smallest size that fits lies in (low, fits]; often it is the hint
+    while fits - low > 1:
+        middle = (low + fits) // 2
+        low, fits = (low, middle) if failure(middle) is None else (middle, fits)
+    if args.crop_size < fits:
+        raise UserError(f"--crop-size {args.crop_size} is too small for --arch {args.arch}: use at least {fits}")
+    raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
+
+
+def build_model(args, num_classes, load_weights=True):
+    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
+    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning);
+    load_weights=False builds the model for them without loading them (check_model)."""
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
+    options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
+    if args.arch in ("googlenet", "inception_v3"):
+        # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
+        # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
+        options.update(aux_logits=False, init_weights=True, transform_input=True)
+    if weights is not None and args.arch.startswith("vit_"):  # a ViT takes one image size: the one of its weights
+        options["image_size"] = weights.meta["min_size"][0]  # (518 for vit_h_14's)
+    try:
+        model = torchvision.models.get_model(args.arch, **options)
+    except TypeError as e:
+        raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
+    if weights is not None and load_weights:
+        try:
+            pretrained = weights.get_state_dict(progress=False)
+        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
+            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
+                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
+        own = model.state_dict()  # the auxiliary classifiers' weights have no place in it
+        model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape},
+                              strict=False)
+    return model
+
+
+def param_groups(model, args):
+    if not args.no_wd_norm_bias:
+        return [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+    norm_types = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            (no_decay if isinstance(module, norm_types) or name == "bias" else decay).append(param)
+    return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def new_optimizer(model, args, fused):
+    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments)."""
+    if args.opt == "adamw":
+        return torch.optim.AdamW(param_groups(model, args), lr=args.lr, fused=fused)
+    return torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum, fused=fused)
+
+
+def lr_factor(step, steps_per_epoch, args):
+    """Multiplier of --lr after `step` optimizer steps: linear warmup, then step or cosine decay."""
+    epoch = step / steps_per_epoch
+    if epoch < args.warmup_epochs:
+        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
+    if args.lr_schedule == "cosine":
+        progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 0.1 ** (int(epoch) // args.lr_step)
+
+
+# --- The optimizer step: micro-batches, clipping, the weights' average, TF32, the profiler --
+def forward_backward(run, images, target, args, no_sync):
+    """Forward and backward over this process's batch in --grad-accum-steps micro-batches, the loss of each
+    divided by their number, so that the summed gradients are those of the whole batch. no_sync: the launcher's
+    context that holds back the all-reduce, entered for every micro-batch but the last. Returns the loss summed
+    over the batch (the training loss, label smoothing included), and the outputs."""
+    chunks, loss_sum, outputs = args.grad_accum_steps, 0, []
+    run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
+    with run.profiler.region("forward/backward"):
+        for i, (images_part, target_part) in enumerate(zip(images.chunk(chunks), target.chunk(chunks))):
+            with no_sync() if i < chunks - 1 else contextlib.nullcontext():
+                with torch.autocast(images.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+                    output = run.train_model(images_part)
+                    loss = F.cross_entropy(output, target_part, label_smoothing=args.label_smoothing)
+                run.scaler.scale(loss / chunks).backward()
+            loss_sum = loss_sum + loss.detach().float() * target_part.numel()
+            outputs.append(output.detach().float())
+    return loss_sum, torch.cat(outputs)
+
+
+def optimizer_step(run, args):
+    """The step, once the gradients are all-reduced: --clip-grad-norm on the true gradients (unscaled first; the
+    optimizer's parameters, which are apex O2's fp32 master weights), the optimizer (the scaler skips a step with
+    an inf/NaN gradient), the learning-rate schedule and --model-ema. Returns 1 if it clipped (a device tensor)."""
+    clipped = 0
+    with run.profiler.region("optimizer"):
+        if args.clip_grad_norm:
+            run.scaler.unscale_(run.optimizer)
+            params = [p for group in run.optimizer.param_groups for p in group["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's: a DTensor
+            clipped = (norm > args.clip_grad_norm).double()
+        run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
+        run.scaler.update()
+        run.scheduler.step()
+        if run.ema:
+            run.ema.update(run.model, run.scheduler.last_epoch)
+    return clipped
+
+
+class ModelEMA:
+    """--model-ema: an exponential moving average of the weights (parameters and BatchNorm statistics), updated
+    every --model-ema-steps optimizer steps as ema = decay * ema + (1 - decay) * weights (torch.optim.swa_utils'
+    EMA function). An fp32 copy of the model, whatever precision trains (apex O2: the average of the fp32 master
+    weights). Every rank updates its own from the same all-reduced weights; BatchNorm statistics differ per rank
+    and become rank 0's with sync_buffers, as the model's do, before it is evaluated and saved."""
+
+    def __init__(self, model, args):
+        self.module = copy.deepcopy(model).float().eval().requires_grad_(False)
+        self.every, self.average = args.model_ema_steps, swa_utils.get_ema_multi_avg_fn(args.model_ema_decay)
+
+    @torch.no_grad()
+    def update(self, model, step):
+        if step % self.every == 0:
+            mine, theirs = self.module.state_dict(), model.state_dict()
+            floats = [key for key, value in mine.items() if value.is_floating_point()]
+            self.average([mine[key] for key in floats], [theirs[key].float() for key in floats], None)
+            for key in mine.keys() - set(floats):  # BatchNorm's batch counts
+                mine[key].copy_(theirs[key])
+
+    def load(self, state, model, log):
+        """The checkpoint's average; a checkpoint without one starts it from the model's resumed weights."""
+        if state is None:
+            log("note: the checkpoint has no --model-ema average: it starts from the resumed weights")
+        self.module.load_state_dict(model.state_dict() if state is None else state)
+
+
+def set_tf32(args, device, log):
+    """TF32: fp32 matmuls and convolutions on the tensor cores of Ampere and newer GPUs, with fp32's range and a
+    10-bit mantissa (as fp16's): several times faster, and accurate enough to train with. On unless --no-tf32;
+    the legacy switches, which every torch release since 1.7 knows."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not args.no_tf32
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        log(f"TF32: not on {'this GPU (before Ampere)' if device.type == 'cuda' else 'the CPU'}: full fp32")
+    else:
+        log("TF32: off (--no-tf32): full fp32" if args.no_tf32 else
+            "TF32: on for fp32 matmuls and convolutions (--no-tf32 turns it off)")
+
+
+def span_union(spans):
+    """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def span_common(spans, others):
+    """The pieces of time that `spans` and `others` share (one pass over both, sorted)."""
+    mine, theirs, common, i, j = span_union(spans), span_union(others), [], 0, 0
+    while i < len(mine) and j < len(theirs):
+        start, end = max(mine[i][0], theirs[j][0]), min(mine[i][1], theirs[j][1])
+        if end > start:
+            common.append((start, end))
+        i, j = (i + 1, j) if mine[i][1] < theirs[j][1] else (i, j + 1)
+    return common
+
+
+class StepProfiler:
+    """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (compilation, cuDNN's search,
+    the allocator; fewer when the run is too short for both), on rank 0, or on every rank with --profile-all-ranks.
+    Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler
+    plugin open it) and logs where the step time went. While it records, each part of a step waits for the GPU
+    at its end, so that every part is timed where it runs."""
+    WARMUP = 5
+
+    def __init__(self, args, rank, device, log, steps_per_epoch):
+        benchmark = getattr(args, "benchmark", 0)
+        total = benchmark + max(benchmark // 10, 1) if benchmark else steps_per_epoch * args.epochs
+        self.steps = min(args.profile or 0, total)
+        self.device, self.log, self.profiler, self.done = device, log, None, 0
+        self.path = os.path.join(args.output_dir, "profile", f"rank{rank}.pt.trace.json")
+        wanted = self.steps and (rank == 0 or args.profile_all_ranks)
+        self.skip = min(self.WARMUP, total - self.steps) if wanted else math.inf
+
+    def region(self, name):
+        """A named part of the step, recorded (and waited for on the GPU) while the profiler records."""
+        return self._recorded(name) if self.profiler else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _recorded(self, name):
+        with torch.profiler.record_function(name):
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    def timed(self, batches):
+        """The batches; a recorded step lasts from the wait for its batch to the request for the next."""
+        batches = iter(batches)
+        while True:
+            if self.skip == 0:
+                cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
+                self.profiler.start()
+            self.skip -= 1
+            with self.region("train step"):
+                with self.region("data wait"):
+                    batch = next(batches, None)
+                if batch is None:
+                    return
+                yield batch
+            self.done += self.profiler is not None
+            if self.profiler and self.done == self.steps:
+                self._finish()
+
+    def _finish(self):
+        profiler, self.profiler, self.skip = self.profiler, None, math.inf
+        profiler.stop()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        profiler.export_chrome_trace(self.path)
+        self.log(f"profile: {self.summary(profiler.events())}; trace in {self.path}")
+
+    def summary(self, events):
+        """Where the step time went, in ms per step, the parts adding up to the step: the wait for the batch,
+        forward/backward, the all-reduce time that computation did not hide (DDP: collectives within backward
+        while no computation ran; Horovod: its region "all-reduce", the wait for them), the optimizer step, and
+        the rest (Python, metrics, the preemption check)."""
+        spans, main, on_gpu = {}, {e.thread for e in events if e.name == "train step"}, self.device.type == "cuda"
+        for e in events:
+            spans.setdefault(e.name, []).append((e.time_range.start, e.time_range.end))
+        steps = [s for s in spans.get("train step", []) if span_common([s], spans.get("forward/backward", []))]
+
+        def place(e):  # the GPU, the training thread, or another thread (gloo's)
+            return "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "main" if e.thread in main else "other"
+
+        def length(pieces):
+            return sum(end - start for start, end in pieces)
+
+        # communication: NCCL's kernels on the GPU, gloo's work on its threads; computation: the other kernels on
+        # the GPU, the operators of the training thread on the CPU
+        comm = [(e.time_range.start, e.time_range.end) for e in events
+                if e.name.startswith(("gloo:", "nccl")) and place(e) == ("gpu" if on_gpu else "other")]
+        compute = [(e.time_range.start, e.time_range.end) for e in events if not e.name.startswith(("gloo:", "nccl"))
+                   and (place(e) == "gpu" if on_gpu else place(e) == "main" and e.name.startswith("aten::"))]
+        comm_in_backward = span_common(comm, spans.get("forward/backward", []))
+        exposed = length(comm_in_backward) - length(span_common(comm_in_backward, compute))
+        n = max(len(steps), 1)
+        parts = {name: length(span_common(spans.get(name, []), steps)) / n
+                 for name in ("data wait", "forward/backward", "all-reduce", "optimizer")}  # "all-reduce": Horovod's
+        parts["forward/backward"] -= exposed / n
+        parts["all-reduce"] += exposed / n
+        parts["other"] = length(span_union(steps)) / n - sum(parts.values())
+        count = sum(1 for e in events if e.name == "c10d::allreduce_" and e.thread in main
+                    and span_common([(e.time_range.start, e.time_range.start + 1e-3)], steps))
+        return (f"{len(steps)} steps, {length(span_union(steps)) / n / 1e3:.1f} ms each = "
+                + " + ".join(f"{name} {ms / 1e3:.1f}" for name, ms in parts.items())
+                + f" ms; {count / n:g} all-reduces per step")
+
+
+# --- Data: decoding and cropping in loader workers, samplers, the device prefetcher --------
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class SyntheticImages(Dataset):
+    """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
+    its own noise; image i is the same on every call, rank and run."""
+
+    def __init__(self, size, num_classes, image_size, transform, offset=0):
+        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+        self.transform, self.offset = transform, offset
+        g = torch.Generator().manual_seed(12345)
+        self.colours = torch.rand(num_classes, 3, 1, 1, generator=g) * 160 + 48
+        self.classes = [f"class{k}" for k in range(num_classes)]
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        target = index % self.num_classes
+        g = torch.Generator().manual_seed(self.offset + index)
+        wave = torch.sin(torch.arange(self.image_size) * (target % 5 + 1) * math.pi / 8) * 24
+        stripes = wave[:, None] if target % 2 else wave[None, :]
+        img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
+        return self.transform(img.clamp(0, 255).to(torch.uint8)), target
+
+
+def load_image(path):
+    """The image as an RGB uint8 CxHxW tensor. JPEGs go through libjpeg-turbo (torchvision.io); what it
+    cannot take (PNG, a PNG named .JPEG, CMYK, a file cut short: no end marker) goes through PIL."""
+    try:
+        data = torchvision.io.read_file(path)
+        if data[:2].tolist() == [0xFF, 0xD8] and data[-2:].tolist() == [0xFF, 0xD9]:
+            with contextlib.suppress(RuntimeError):
+                return torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB)
+        with Image.open(path) as img:
+            return v2.functional.pil_to_tensor(img.convert("RGB"))
+    except (OSError, SyntaxError, ValueError, RuntimeError) as e:
+        raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
+
+
+class RandomResizedCropFlip:
+    """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step. The same draws in
+    distribution: a crop of a uniform share `scale` of the image's area with a log-uniform aspect
+    ratio in `ratio`, up to 10 tries, else v2's central fallback crop; a flip with probability 1/2.
+    They come from torch's RNG in one call instead of five or more. A uint8 tensor (load_image's
+    output) is cut into channels-last memory order, the order decode_jpeg leaves and the one torch
+    resizes fastest, then resized by the kernel v2 uses (bilinear, antialiased); a PIL image goes
+    through v2.functional. Not an nn.Module or v2.Compose: in a worker, right after a decode has
+    flushed the CPU caches, their Python machinery and separate RNG calls cost almost as much as the
+    resize itself (benchmarks/input_pipeline.py)."""
+
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+        self.size, self.scale, self.ratio = [size, size], scale, ratio
+
+    def params(self, height, width):
+        """(top, left, crop height, crop width, flip) for an image of this size."""
+        u = torch.rand(23).tolist()
+        (smin, smax), (rmin, rmax) = self.scale, self.ratio
+        for k in range(0, 20, 2):
+            area = height * width * (smin + (smax - smin) * u[k])
+            aspect = rmin * (rmax / rmin) ** u[k + 1]
+            w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w, u[22] < 0.5
+        w, h = width, height  # v2's fallback: the whole image, trimmed to the nearest allowed aspect ratio
+        if width / height < rmin:
+            h = round(width / rmin)
+        elif width / height > rmax:
+            w = round(height * rmax)
+        return (height - h) // 2, (width - w) // 2, h, w, u[22] < 0.5
+
+    def __call__(self, image):
+        fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
+        top, left, height, width, flip = self.params(*(image.shape[1:] if fast else v2.functional.get_size(image)))
+        if fast:
+            crop = image[:, top:top + height, left:left + width].unsqueeze(0)
+            crop = crop.contiguous(memory_format=torch.channels_last)
+            image = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
+        else:
+            image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
+        return v2.functional.horizontal_flip(image) if flip else image
+
+
+def collate(samples):
+    """The loaders' collate_fn: default_collate on the images' HxWxC views, so that each uint8 image is
+    copied into the batch in the order it lies in memory (channels last, as decode_jpeg and the crop
+    leave it) instead of transposed, about 4x cheaper. The batch is NxCxHxW with channels-last strides;
+    the Prefetcher puts it into the model's memory format on the device."""
+    images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
+    return images.permute(0, 3, 1, 2), labels
+
+
+def build_datasets(args):
+    """Workers decode and crop; they hand uint8 CxHxW tensors on, normalization happens on the device."""
+    train_tf = RandomResizedCropFlip(args.crop_size)
+    val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
+    if args.dummy:
+        return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),
+                SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))
+    sets = []
+    for split, tf in (("train", train_tf), ("val", val_tf)):
+        root = os.path.join(args.data, split)
+        try:
+            sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
+        except FileNotFoundError as e:
+            raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs at least one image") from None
+    if sets[0].classes != sets[1].classes:
+        raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")
+    return sets
+
+
+def build_loaders(args, train_set, val_set, rank, world_size, device):
+    """(train sampler, train batches, validation batches): loaders whose workers decode and crop, behind
+    Prefetchers that put the batches on the device. Each rank takes its share of both sets."""
+    loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
+                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate,
+                       worker_init_fn=start_loader_worker)
+    atexit.register(end_loader_workers)
+    train_data = SeededSamples(train_set)
+    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
+    train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
+    return (train_sampler, Prefetcher(train_loader, device, args.channels_last),
+            Prefetcher(val_loader, device, args.channels_last))
+
+
+def start_loader_worker(worker_id):
+    """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
+    workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
+    its preemption checkpoint: workers ignore both (the training process stops them itself). A worker ends with
+    its training process, even one killed with -9."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+
+
+def end_loader_workers():
+    """At exit, before multiprocessing's own exit hook (registered earlier, so run later), which stops daemonic
+    children with SIGTERM and waits for them: loader workers ignore SIGTERM, and when an uncaught exception has
+    kept a loader alive, that hook would wait forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
+    for worker in workers:
+        worker.kill()
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that can start mid-epoch (resume) and hands out (index, seed) pairs. The
+    seed fixes each sample's augmentation from (--seed, epoch, index) alone, so training does not
+    depend on the number of processes or loader workers, or on where an epoch was resumed."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
+        self.start = 0  # samples of this rank's share already trained on in this epoch
+
+    def __iter__(self):
+        base = (self.seed * 100_003 + self.epoch) * 1_000_000_007
+        return iter([(i, (base + i) % 2**63) for i in list(super().__iter__())[self.start:]])
+
+    def __len__(self):
+        return super().__len__() - self.start
+
+
+class SeededSamples(Dataset):
+    """Takes TrainSampler's (index, seed) keys and draws the sample's random augmentation from its seed."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+class ShardSampler(Sampler):
+    """indices[rank::world] with no padding: over all ranks every sample is evaluated exactly once."""
+
+    def __init__(self, size, rank, world_size):
+        self.indices = range(rank, size, world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+class Prefetcher:
+    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side CUDA
+    stream on GPU). On the device the uint8 batch takes the model's memory format and becomes
+    normalized float, exactly once."""
+
+    def __init__(self, loader, device, channels_last=False):
+        self.loader, self.device = loader, device
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is not None:  # mean and std were made on the current stream: the side stream reads them
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _to_device(self, batch):
+        images, target = batch
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+            target = target.to(self.device, non_blocking=True)
+            images = images.float().sub_(self.mean).div_(self.std)  # keeps the memory format
+        return images, target
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        upcoming = next(batches, None)
+        upcoming = upcoming and self._to_device(upcoming)
+        while upcoming:
+            if self.stream is not None:
+                main_stream = torch.cuda.current_stream(self.device)
+                main_stream.wait_stream(self.stream)
+                for t in upcoming:
+                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
+            batch, upcoming = upcoming, next(batches, None)
+            upcoming = upcoming and self._to_device(upcoming)
+            yield batch
+
+
+# --- Metrics and logs ----------------------------------------------------------------------
+def accuracy(output, target, topk=(1, 5)):
+    """How many samples have their target among the top-k outputs, for each k (a device tensor)."""
+    maxk = min(max(topk), output.size(1))
+    hits = output.topk(maxk, dim=1).indices.eq(target[:, None])
+    return torch.stack([hits[:, :min(k, maxk)].any(dim=1).sum() for k in topk])
+
+
+class Metrics:
+    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses, samples of steps whose
+    gradients were clipped): updating them never waits for the GPU; `summary` reduces them over all ranks when a
+    number is wanted."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+
+    def update(self, loss_sum, output, target, clipped=0):
+        loss_sum = loss_sum.detach().double().reshape(1)
+        count = torch.full((1,), target.numel(), dtype=torch.float64, device=target.device)
+        self.sums += torch.cat([loss_sum, accuracy(output.detach(), target).double(), count,
+                                (~torch.isfinite(loss_sum)).double(), count * clipped])
+
+    def summary(self):
+        loss, c1, c5, n, bad, clipped = reduce_tensor(self.sums).tolist()
+        n_ = max(n, 1)
+        return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_, "clipped": 100 * clipped / n_,
+                "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
+
+
+def print_or_drop(*values):
+    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
+    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
+    try:
+        print(*values, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def write_epoch(row, writer, output_dir):
+    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items():
+        if key != "epoch":
+            writer.add_scalar(key, value, row["epoch"])
+    writer.flush()
+
+
+def benchmark(run, preemption, args, world_size, log):
+    """--benchmark: the model, the step and the all-reduce without the input pipeline, on synthetic batches
+    already on the device: this hardware's training speed."""
+    device, local_batch = next(run.model.parameters()).device, args.batch_size // world_size
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    images = torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device)
+    batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
+    for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
+        started = time.time()
+        train = train_one_epoch(run, [batch] * steps, preemption, args, log, False)
+        if train is None:
+            return
+    log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "
+        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}; "
+        f"{memory_use(run, device)}")
+
+
+def memory_use(run, device):
+    """This process's memory: what it holds of the weights, their gradients and the optimizer state (a sharded
+    model's shards only), and its peak: the GPU's allocations, or on the CPU the whole process (Python too)."""
+    params = list(run.model.parameters())
+    state = [value for per_param in run.optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor)]
+    held = sum(getattr(t, "_local_tensor", t).nbytes for t in [*params, *(p.grad for p in params), *state]
+               if t is not None)  # a DTensor's _local_tensor: this rank's shard
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+    return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
+
+
+# --- Checkpoint files and random states ----------------------------------------------------
+# in --output-dir: what --resume auto takes, a symbolic link to the newest folder of shards
+CHECKPOINT = "checkpoint.dcp"
+
+
+def set_seed(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(state):
+    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
+    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda_all"])
+    elif torch.cuda.is_available() and state["cuda"].numel():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
+    moment leaves either the old file or the new one, never a torn one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def claim_output_dir(args, rank, log):
+    """Rank 0 of a training run makes --output-dir and locks it until it ends, so that a second run given the
+    same folder stops at once instead of writing over this one's checkpoints. The lock is the kernel's (lockf):
+    a run that crashed or was killed holds it no more. Returns the open lock file, None on other ranks."""
+    if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
+        return None
+    path = os.path.join(args.output_dir, "run.lock")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError as e:
+        what = "a file of that name is in the way" if isinstance(e, FileExistsError) else e.strerror
+        raise UserError(f"--output-dir {args.output_dir} cannot be used ({what}): give a folder this user can "
+                        f"write to") from None
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        lock.seek(0)
+        holder = lock.read().strip() or "a process on another node"
+        lock.close()
+        raise UserError(f"--output-dir {args.output_dir} is in use by another run ({holder}): give another "
+                        f"--output-dir, or wait for that run to end") from None
+    except OSError as e:  # a filesystem without locks
+        log(f"note: cannot lock --output-dir {args.output_dir} ({e.strerror}); make sure no other run uses it")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
+
+
+def tensor_bytes(obj):
+    """Bytes of all the tensors in a nested state dict: about the size of its file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
+def save_checkpoint(state, is_best, output_dir):
+    """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
+    gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    try:
+        atomic_write(path, lambda f: torch.save(state, f))
+        if is_best:
+            with open(path, "rb") as src:
+                atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        need = tensor_bytes(state) / 2**20
+        free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
+        reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
+                  else str(e).strip().splitlines()[-1][:100])
+        raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
+                        f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
+                        f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
+                        ) from None
+
+
+def resume_path(args):
+    if args.resume == "auto":
+        path = os.path.join(args.output_dir, CHECKPOINT)
+        return path if os.path.exists(path) else None
+    if args.resume and not os.path.exists(args.resume):
+        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
+    return args.resume or None
+
+
+def read_checkpoint(path):
+    """A folder of shards (this script's checkpoint): its training state, with "shards" (the folder, from which
+    each rank reads its own later) and "state_dict" (the weights' names and shapes as meta tensors, read from the
+    shards' metadata, for check_fit). A file: distributed.py's format, on the CPU, for -e."""
+    folder = os.path.isdir(path)
+    try:
+        ckpt = torch.load(os.path.join(path, TRAIN_STATE) if folder else path, map_location="cpu", weights_only=True)
+        if folder:
+            stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+            ckpt.update(shards=os.path.realpath(path), optimizer=None, state_dict={  # the optimizer's: in the shards
+                key.split(".", 1)[1]: torch.empty(meta.size, device="meta")
+                for key, meta in stored.items() if key.startswith("model.") and hasattr(meta, "size")})
+        return ckpt
+    except Exception as e:  # truncated, corrupt, not a torch file, shards without their metadata: all alike to the user
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
+                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+
+
+def load_checkpoint(path, arch):
+    """The checkpoint, checked to be a training checkpoint of --arch, its weights without a wrapper's prefix."""
+    ckpt = read_checkpoint(path)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
+    if ckpt.get("arch", arch) not in MODEL_NAMES:
+        raise UserError(f"{path} holds a {ckpt['arch']} model, not a torchvision classification model: it is "
+                        f"another script's checkpoint; resume it with that script")
+    if ckpt.get("arch", arch) != arch:
+        raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another "
+                        f"checkpoint")
+    # a DDP or DataParallel wrapper's prefix, torch.compile's (nanoGPT saves it), or both in either order
+    for prefix in ("module.", "_orig_mod.", "module."):
+        consume_prefix_in_state_dict_if_present(ckpt["state_dict"], prefix)
+    return ckpt
+
+
+def check_fit(path, ckpt, model, args):
+    """Refuses, before any process waits for another, a checkpoint that does not fit the run the command line
+    asks for: its dropout, its weights' names and shapes, its classes (load_state_dict would stop every rank
+    later, with a traceback). The line names both sides."""
+    trained = ckpt.get("args", {}).get("dropout", args.dropout)
+    if trained != args.dropout and not args.evaluate:
+        said = {value: "the model's own dropout" if value is None else f"--dropout {value}"
+                for value in (trained, args.dropout)}
+        raise UserError(f"{path} was trained with {said[trained]}, this run has {said[args.dropout]}: continue it "
+                        f"with {said[trained]}, or train without --resume")
+    trained = ckpt.get("args", {}).get("opt", "sgd")  # checkpoints from before --opt: SGD's
+    if trained != args.opt and not args.evaluate:
+        raise UserError(f"{path} was trained with --opt {trained}, this run has --opt {args.opt}: continue it with "
+                        f"--opt {trained}, or train without --resume")
+    own, saved = model.state_dict(), ckpt["state_dict"]
+    missing, unknown = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    if missing or unknown:
+        parts = [f"{len(missing)} weights missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(unknown)} the model lacks (e.g. {unknown[0]})" if unknown else ""]
+        raise UserError(f"{path} does not fit --arch {args.arch}: {', '.join(p for p in parts if p)}; resume from "
+                        f"a checkpoint of this model")
+    wrong = [(key, tuple(saved[key].shape), tuple(own[key].shape)) for key in own
+             if saved[key].shape != own[key].shape]
+    if wrong and all(there[1:] == here[1:] and there[0] != here[0] for _, there, here in wrong):
+        raise UserError(f"{path} has {wrong[0][1][0]} classes, {args.data or '--dummy'} has {wrong[0][2][0]}: "
+                        f"resume with the data it was trained on, or train without --resume")
+    if wrong:
+        key, there, here = wrong[0]
+        raise UserError(f"{path} does not fit --arch {args.arch}: {key} is {'x'.join(map(str, there))} there, "
+                        f"{'x'.join(map(str, here))} here; resume from a checkpoint of this model")
+    lacking = [key for key in ("epoch", "optimizer", "scheduler", "scaler", "best_acc1") if key not in ckpt]
+    if lacking and not args.evaluate:  # weights alone: another tool's, or a compiled model's state_dict saved by hand
+        raise UserError(f"{path} holds weights but no training state ({', '.join(lacking)}): evaluate it with -e; "
+                        f"training resumes from this repository's checkpoints only")
+
+
+def check_same_checkpoint(views):
+    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
+    points wait for each other at different steps until the job times out."""
+    if len(set(views)) > 1:
+        seen = {}
+        for rank, view in enumerate(views):
+            seen.setdefault(view, []).append(rank)
+        text = "; ".join(f"{'rank' if len(ranks) == 1 else f'{len(ranks)} ranks from'} {ranks[0]}: "
+                         + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
+        raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
+                        f"must be on a filesystem that every node shares and sees up to date")
+
+
+if __name__ == "__main__":
+    main()
