@@ -161,6 +161,9 @@ def check_launch_args(args, world_size, device):
     """The flags this launcher adds or reads its own way, checked before any process waits for another."""
     if args.amp == "fp16" and device.type != "cuda":
         raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
+    if args.compile:
+        raise UserError("--compile: fsdp_distributed.py does not compile the sharded model (torch 2.14's inductor "
+                        "fails on FSDP2's hooks across the whole model); drop it, or train with distributed.py")
     if args.model_ema:
         raise UserError("--model-ema: fsdp_distributed.py keeps no average of the weights (a whole copy on every rank "
                         "is what sharding saves); drop it, or train with distributed.py")
@@ -171,7 +174,8 @@ def check_launch_args(args, world_size, device):
     if args.resume and os.path.isfile(args.resume) and not args.evaluate:
         raise UserError(f"--resume {args.resume} is a file of full weights: fsdp_distributed.py resumes training "
                         f"from its folders of shards ({CHECKPOINT}); evaluate the file with -e")
-    if args.export and not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
+    folder = os.path.dirname(os.path.abspath(args.export or "."))
+    if args.export and not os.path.isdir(folder) and folder != os.path.abspath(args.output_dir):  # made later
         raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
 
 
@@ -366,6 +370,18 @@ def save_sharded(shards, train_state, output_dir, rank):
         raise cannot_write(e, output_dir, tensor_bytes(shards)) from None
 
 
+def load_shards(state, folder):
+    """Fills `state` (sharded tensors, as get_state_dict gives them) from the folder: each rank reads the parts of
+    the saved shards that its own cover, whatever number of processes wrote them. A shard that cannot be read
+    (cut short, gone) fails the load on every rank alike (torch.distributed.checkpoint gathers the errors)."""
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except (OSError, RuntimeError, ValueError, dcp.api.CheckpointException) as e:
+        reason = str(e).strip().splitlines()[-1][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load the shards in {folder} ({reason}): resume from another checkpoint, or move "
+                        f"it away to start fresh") from None
+
+
 def cannot_write(error, output_dir, size):
     """The one line for a checkpoint that could not be written (the disk full, the folder gone)."""
     free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0
@@ -528,11 +544,11 @@ class RunState:
             set_model_state_dict(self.model, ckpt["state_dict"], options=StateDictOptions(full_state_dict=True))
         elif args.evaluate:
             weights = get_model_state_dict(self.model)
-            dcp.load({"model": weights}, checkpoint_id=ckpt["shards"])
+            load_shards({"model": weights}, ckpt["shards"])
             set_model_state_dict(self.model, weights)
         else:
             model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=ckpt["shards"])
+            load_shards({"model": model_state, "optimizer": optimizer_state}, ckpt["shards"])
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
         self.epoch, self.step, self.best_acc1 = ckpt.get("epoch", 0), ckpt.get("step", 0), ckpt.get("best_acc1", 0.0)
         if args.evaluate:
