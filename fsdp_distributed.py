@@ -232,7 +232,7 @@ def prepare_model(model, args, device, log):
     if half:  # BatchNorm in fp32 (its statistics need the precision), each a group of its own, as FSDP1 kept it
         for norm in [m for m in model.modules() if isinstance(m, BATCHNORM)]:
             shard(norm, mp_policy=MixedPrecisionPolicy(output_dtype=half))
-    groups = blocks(model)
+    groups = [block for block in blocks(model) if not (half and isinstance(block, BATCHNORM))]  # grouped above
     for block in groups:  # bottom-up: a parameter belongs to the innermost group that holds it
         shard(block, mp_policy=policy)
     shard(model, mp_policy=policy)
@@ -246,7 +246,9 @@ def prepare_model(model, args, device, log):
 def blocks(model):
     """The groups to shard, a rule for every torchvision classifier: the members of each nn.Sequential and
     nn.ModuleList that hold weights (ViT's encoder layers, ResNet's and ConvNeXt's blocks, VGG's layers), found
-    from the root down; a member that is itself a sequence (a stage of blocks) gives its members instead."""
+    from the root down, a member that is itself a sequence (a stage of blocks) giving its members instead; then the
+    root's other children that hold weights (Inception's and GoogLeNet's modules, ViT's encoder with its position
+    embedding), each a group around the blocks inside it, listed after them: fully_shard goes bottom-up."""
     found = []
 
     def visit(module):
@@ -260,7 +262,8 @@ def blocks(model):
                 visit(child)
 
     visit(model)
-    return found
+    return found + [child for child in model.children() if child not in found and any(True for _ in child.parameters())
+                    and not isinstance(child, (torch.nn.Sequential, torch.nn.ModuleList))]
 
 
 def device_mesh(args, device):

@@ -93,6 +93,9 @@ CASES = {
     "resume from weights alone": (1, lambda d, t: [d, "--resume", checkpoint(t)],
                                   r"ckpt.pth.tar holds weights but no training state \(epoch, optimizer, scheduler, "
                                   r"scaler, best_acc1\): evaluate it with -e"),
+    "resume with another optimizer": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"opt": "adamw"})],
+                                      r"ckpt.pth.tar was trained with --opt adamw, this run has --opt sgd: continue it "
+                                      r"with --opt adamw, or train without --resume"),
     "resume checkpoint of another arch": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="resnet50")],
                                           r"ckpt.pth.tar holds a resnet50 model, not resnet18: pass -a resnet50"),
     "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"],
@@ -105,6 +108,7 @@ CASES = {
 
 
 SPAWN, DATAPARALLEL, SLURM = "multiprocessing_distributed.py", "dataparallel.py", "distributed_slurm_main.py"
+FSDP = "fsdp_distributed.py"
 # The siblings run the same checks (byte-identical helpers): here each gets one case per way an error
 # surfaces - found by the parent or by one process, by every rank alike, by the rank that reads a file,
 # or mid-training.
@@ -112,7 +116,10 @@ SIBLINGS = {SPAWN: ["a value out of its range, on two ranks", "missing data fold
                     "batch not divisible by world size", "corrupt JPEG on one of two ranks",
                     "resume checkpoint of another arch", "loss becomes NaN"],
             DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint truncated", "fp16 without CUDA"],
-            SLURM: ["corrupt JPEG on one of two ranks", "a value out of its range, on two ranks"]}
+            SLURM: ["corrupt JPEG on one of two ranks", "a value out of its range, on two ranks"],
+            # its checkpoints are its own: tests/test_fsdp_distributed.py has those cases
+            FSDP: ["a value out of its range, on two ranks", "batch not divisible by world size",
+                   "corrupt JPEG on one of two ranks", "fp16 without CUDA", "loss becomes NaN"]}
 
 
 def launch(script, processes, *args, env=None):
@@ -138,7 +145,7 @@ def test_bad_input_gets_one_clear_line(script, name, image_data, tmp_path):
     processes, make_args, expected, *env = CASES[name]
     args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
     job = launch(script, processes, *args, env=env[0] if env else None).finish(timeout=120)
-    assert_one_clear_line(job, expected, launcher_reports=processes > 1 and script == SCRIPT)
+    assert_one_clear_line(job, expected, launcher_reports=processes > 1 and script in (SCRIPT, FSDP))
     assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
 

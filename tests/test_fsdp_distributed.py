@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import NO_BN, assert_same_tensors, load, metrics, ok, python, torchrun, two_nodes
+from conftest import NO_BN, assert_same_tensors, import_script, load, metrics, ok, python, torchrun, two_nodes
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "fsdp_distributed.py"
@@ -189,3 +189,20 @@ def test_bad_input_gets_one_clear_line(name, pairs, image_data, tmp_path):
     job = (torchrun(SCRIPT, processes, *args) if processes > 1 else python(SCRIPT, *args)).finish(timeout=120)
     assert_one_clear_line(job, expected, launcher_reports=processes > 1)
     assert os.readlink(out / "checkpoint.dcp") == os.readlink(pairs("sgd").out / "checkpoint.dcp")  # kept
+
+
+FSDP = import_script(SCRIPT)
+
+
+@pytest.mark.parametrize("arch", FSDP.MODEL_NAMES)
+def test_every_arch_is_cut_into_groups_that_leave_the_root_almost_nothing(arch):
+    """The block rule, on each torchvision classifier: a process holds a whole group's weights while it computes
+    it, so the root group (gathered for the whole step) must be small."""
+    try:
+        with torch.device("meta"):  # shapes without memory
+            model = torchvision.models.get_model(arch, num_classes=10)
+    except NotImplementedError:  # regnet_* compute their widths with tensors
+        model = torchvision.models.get_model(arch, num_classes=10)
+    grouped = {id(p) for block in FSDP.blocks(model) for p in block.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in grouped)
+    assert len(FSDP.blocks(model)) >= 4 and root <= 0.05 * sum(p.numel() for p in model.parameters())
