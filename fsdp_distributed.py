@@ -369,8 +369,11 @@ def save_sharded(shards, train_state, output_dir, rank):
             for old in glob.glob(f"{glob.escape(link)}.*"):
                 if old != folder:
                     shutil.rmtree(old, ignore_errors=True)
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
-        raise cannot_write(e, output_dir, tensor_bytes(shards)) from None
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # torch.distributed.checkpoint: on every rank
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        need = f"each rank's shards take about {tensor_bytes(shards) / 2**20:.0f} MiB"
+        raise cannot_write(e, output_dir, need) from None
 
 
 def load_shards(state, folder):
@@ -380,18 +383,26 @@ def load_shards(state, folder):
     try:
         dcp.load(state, checkpoint_id=folder)
     except (OSError, RuntimeError, ValueError, dcp.api.CheckpointException) as e:
+        e = first_failure(e)
         reason = str(e).strip().splitlines()[-1][:160] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot load the shards in {folder} ({reason}): resume from another checkpoint, or move "
                         f"it away to start fresh") from None
 
 
-def cannot_write(error, output_dir, size):
-    """The one line for a checkpoint that could not be written (the disk full, the folder gone)."""
+def first_failure(error):
+    """The error of the first rank that failed, out of torch.distributed.checkpoint's (rank -> (error, stack))."""
+    return next((failure[0] for failure in getattr(error, "failures", {}).values()), error)
+
+
+def cannot_write(error, output_dir, need):
+    """The one line for a checkpoint that could not be written (the disk full, the folder gone), which rank 0 says:
+    torch.distributed.checkpoint raises a failed save on every rank, and only rank 0 writes the rest."""
     free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0
+    error = first_failure(error)
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[-1]
-    return RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason[:100]}): this rank's part "
-                     f"takes about {size / 2**20:.0f} MiB, {free:.0f} MiB are free there; make room or give another "
-                     f"--output-dir (the last checkpoint is kept)")
+    return UserError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason[:100]}): {need}, "
+                     f"{free:.0f} MiB are free there; make room or give another --output-dir (the last checkpoint "
+                     f"is kept)")
 
 
 # =============================================================================================
@@ -537,7 +548,8 @@ class RunState:
             try:
                 atomic_write(path, lambda f: torch.save(state, f))
             except (OSError, RuntimeError) as e:
-                raise cannot_write(e, os.path.dirname(os.path.abspath(path)), tensor_bytes(state)) from None
+                raise cannot_write(e, os.path.dirname(os.path.abspath(path)),
+                                   f"the full weights take about {tensor_bytes(state) / 2**20:.0f} MiB") from None
 
     def load_state_dict(self, ckpt, args, rank, world_size, log):
         """Everything back from a checkpoint (load_checkpoint's), only the weights for --evaluate: each rank reads

@@ -296,6 +296,25 @@ def uninterrupted(image_data, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def small_disk(tmp_path_factory):
+    """mount(size, read_only=False): a folder on a tmpfs of its own (the tests run as root, as in CI)."""
+    mounted = []
+
+    def mount(size, read_only=False):
+        folder = tmp_path_factory.mktemp("disk")
+        options = f"size={size}" + (",ro" if read_only else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", folder], capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", folder], check=True)
+
+
 # no BatchNorm and no dropout: the weights do not depend on how a batch is split
 NO_BN = [*FAST, "-a", "squeezenet1_1", "--dropout", "0", "--epochs", "1"]
 # every flag of the loop at once, with loader workers

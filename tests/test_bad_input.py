@@ -2,7 +2,6 @@
 import re
 import shutil
 import socket
-import subprocess
 
 import pytest
 import torch
@@ -215,25 +214,6 @@ def test_gpus_naming_one_gpu_twice(script, image_data, tmp_path):
     traceback before; checked before CUDA is looked at, so this machine without GPUs sees it too."""
     job = python(script, image_data, *FAST, "--gpus", "1,0,1", "--output-dir", tmp_path).finish(60)
     assert_one_clear_line(job, r"--gpus 1,0,1 names GPU 1 more than once: list each GPU once")
-
-
-@pytest.fixture(scope="module")
-def small_disk(tmp_path_factory):
-    """mount(size, read_only=False): a folder on a tmpfs of its own (the tests run as root, as in CI)."""
-    mounted = []
-
-    def mount(size, read_only=False):
-        folder = tmp_path_factory.mktemp("disk")
-        options = f"size={size}" + (",ro" if read_only else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", folder], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
-        mounted.append(folder)
-        return folder
-
-    yield mount
-    for folder in mounted:
-        subprocess.run(["umount", "-l", folder], check=True)
 
 
 @pytest.mark.parametrize("script, case", [(SCRIPT, "a file"), (SCRIPT, "under a file"), (SCRIPT, "read-only"),

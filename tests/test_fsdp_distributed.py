@@ -206,3 +206,20 @@ def test_every_arch_is_cut_into_groups_that_leave_the_root_almost_nothing(arch):
     grouped = {id(p) for block in FSDP.blocks(model) for p in block.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in grouped)
     assert len(FSDP.blocks(model)) >= 4 and root <= 0.05 * sum(p.numel() for p in model.parameters())
+
+
+def test_a_full_disk_while_the_shards_are_written_keeps_the_last_checkpoint(pairs, small_disk, image_data):
+    """The next checkpoint folder does not fit beside the last: the save fails on every rank, one line says so,
+    the half-written folder is removed, and the link still leads to the last checkpoint, which resumes."""
+    finished = pairs("sgd").out
+    size = sum(f.stat().st_size for f in (finished / "checkpoint.dcp").iterdir())
+    used = sum(f.stat().st_size for f in finished.rglob("*") if f.is_file() and not f.is_symlink())
+    out = small_disk(f"{(used + size // 2) // 1024 + 64}k")
+    shutil.copytree(finished, out, symlinks=True, dirs_exist_ok=True)
+    before = sorted(os.listdir(out))
+    job = torchrun(SCRIPT, 2, image_data, *SGD, "--epochs", "2", "--resume", "auto", "--output-dir", out).finish(180)
+    assert_one_clear_line(job, rf"cannot write a checkpoint to {out} \(.*\): each rank's shards take about \d+ MiB, "
+                               r"\d+ MiB are free there; make room or give another --output-dir \(the last checkpoint "
+                               r"is kept\)", launcher_reports=True)
+    assert sorted(os.listdir(out)) == before
+    ok(torchrun(SCRIPT, 2, image_data, *SGD, "-e", "--resume", out / "checkpoint.dcp"))

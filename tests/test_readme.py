@@ -67,7 +67,8 @@ def test_the_readme_has_cpu_demos_for_every_launcher():
     """The selection rule must keep finding the demos, or the test below would silently test nothing."""
     scripts = {next(w for w in shlex.split(c) if w.endswith(".py")) for c in DEMOS}
     assert scripts == {"distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
-                       "horovod_distributed.py", "distributed_slurm_main.py", "unet3d_apex.py"}, DEMOS
+                       "horovod_distributed.py", "distributed_slurm_main.py", "unet3d_apex.py",
+                       "fsdp_distributed.py"}, DEMOS
     assert {split_env(shlex.split(c))[1][0] for c in DEMOS} == set(LAUNCHERS)
 
 
