@@ -18,7 +18,7 @@ BENCHMARKS = {
                           "--rounds", "1", "--variants", "baseline", "all-loop-flags"],
                          r"\nall-loop-flags +\d+ +[\d.]+ +--grad-accum-steps 2 .*\nmachine: "),
     "memory.py": (["-a", "resnet50", "--crop-size", "32", "--steps", "1"],
-                  r"\nfsdp_distributed.py +\d+ +0\.[45]\d .*\nmodel state FSDP / DDP = 0\.[45]\d \(target <= 0.6"),
+                  r"\nfsdp_distributed.py +\d+ +0\.[45]\d [\s\S]*\nmodel state FSDP / DDP = 0\.[45]\d \(target <= 0.6"),
     "scaling.py": (["--steps", "2", "--dummy-size", "32", "--crop-size", "32", "-b", "16"],
                    r"\n +2 +\d+ +\d+% +\d+ +\d+%"),
 }
