@@ -366,8 +366,8 @@ def save_sharded(shards, train_state, output_dir, rank):
                 os.unlink(f"{link}.tmp")
             os.symlink(os.path.basename(folder), f"{link}.tmp")
             os.replace(f"{link}.tmp", link)
-            for old in glob.glob(f"{glob.escape(link)}.*"):
-                if old != folder:
+            for old in glob.glob(f"{glob.escape(link)}.*"):  # the last one, and any a crash left half-written
+                if old != folder and old[len(link) + 1:].isdigit():
                     shutil.rmtree(old, ignore_errors=True)
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # torch.distributed.checkpoint: on every rank
         if rank == 0:
