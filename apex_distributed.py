@@ -1,14 +1,14 @@
 """ImageNet training the apex way (opt levels O0-O3, SyncBN, a fast uint8 data path) on native PyTorch.
 
 apex.amp and apex.parallel were removed from apex in 25.05; this is their recipe with what replaced them:
-torch.autocast + GradScaler, fp32 master weights, torch.nn.SyncBatchNorm, DDP. apex stays optional.
+torch.autocast + GradScaler, fp32 master weights, torch.nn.SyncBatchNorm, DDP. apex is not needed.
 
     # one node, 4 GPUs
     torchrun --standalone --nproc_per_node=4 apex_distributed.py /data/imagenet --opt-level O2 --sync-bn
     # two nodes (run on each, R = 0 or 1)
     torchrun --nnodes=2 --node-rank=R --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:29400 apex_distributed.py /data/imagenet
-    # CPU demo, no dataset needed (gloo backend; bfloat16 stands in for float16)
+    # CPU demo, no dataset needed (gloo backend)
     torchrun --standalone --nproc_per_node=2 apex_distributed.py --dummy --crop-size 64 -b 64 --epochs 3
     # no launcher: one process
     python apex_distributed.py --dummy
@@ -16,7 +16,7 @@ torch.autocast + GradScaler, fp32 master weights, torch.nn.SyncBatchNorm, DDP. a
 What differs from distributed.py: --opt-level and --half-dtype replace --amp (setup_precision is apex's
 amp.initialize: O1 autocast, O2 a half model with fp32 BatchNorm and fp32 master weights, O3 pure half;
 dynamic loss scaling for float16); the loader collates uint8 straight into one batch (apex's fast_collate);
-apex's FusedSGD when apex is built with its CUDA extensions; checkpoints keep fp32 weights at every level.
+checkpoints keep fp32 weights at every level. apex itself is not needed: torch's fused SGD replaces its FusedSGD.
 
 Read it top to bottom: the command line; the launcher part (how the processes find each other, the
 process group, wrapping the model, one optimizer step, sums over processes); the training flow
@@ -56,13 +56,6 @@ from torch.utils.tensorboard import SummaryWriter
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-try:  # optional: apex's FusedSGD, when apex was built from source with its CUDA extensions (amp_C)
-    from apex.optimizers import FusedSGD as ApexFusedSGD
-    import amp_C  # noqa: F401  the kernels FusedSGD runs; apex built without --cuda_ext lacks them
-    APEX_MISSING = None
-except Exception as e:  # not installed, the unrelated PyPI package "apex", a build for another torch: never fatal
-    ApexFusedSGD, APEX_MISSING = None, f"{type(e).__name__}: {e}"
-
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
@@ -96,7 +89,7 @@ def parse_args(argv=None):
     add("--opt-level", choices=("O0", "O1", "O2", "O3"), default="O1",
         help="apex's levels: O0 fp32, O1 autocast, O2 half model + fp32 master weights, O3 pure half")
     add("--half-dtype", choices=("float16", "bfloat16"), default="float16",
-        help="the half precision of O1-O3 (float16 needs CUDA; on CPU bfloat16 stands in)")
+        help="the half precision of O1-O3 (float16 on a CPU: for tests, slow)")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--no-tf32", action="store_true",
@@ -158,7 +151,7 @@ def find_processes(args, local_index):
 
 def check_launch_args(args, world_size, device):
     """The flags this launcher adds or reads its own way, checked before any process waits for another: none
-    can be wrong here (on CPU, bfloat16 stands in for --half-dtype float16)."""
+    can be wrong here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -206,18 +199,7 @@ BATCHNORM = torch.nn.modules.batchnorm._BatchNorm  # SyncBatchNorm too
 
 
 def build_optimizer(model, args, device, log):
-    """--opt sgd: apex's FusedSGD when apex has its CUDA extensions and the device is CUDA, else torch's fused SGD (one
-    kernel over all parameters too). FusedSGD updates only fp16/fp32 tensors: not O3's bfloat16."""
-    if args.opt == "adamw":
-        log("optimizer: torch.optim.AdamW(fused=True)")
-        return new_optimizer(model, args, fused=True)
-    groups = param_groups(model, args)
-    if ApexFusedSGD and device.type == "cuda" and not (args.opt_level == "O3" and args.half_dtype == "bfloat16"):
-        log("optimizer: apex.optimizers.FusedSGD")
-        return ApexFusedSGD(groups, lr=args.lr, momentum=args.momentum)
-    why = f"apex unavailable ({APEX_MISSING})" if APEX_MISSING else "apex's FusedSGD needs CUDA and fp16/fp32 weights"
-    log(f"optimizer: torch.optim.SGD(fused=True); {why}")
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=True)
+    return new_optimizer(model, args)
 
 
 def setup_precision(model, optimizer, args, device, log):
@@ -225,10 +207,6 @@ def setup_precision(model, optimizer, args, device, log):
     optimizer in place, so that the training loop stays the same at every level. Returns the autocast dtype
     (O1) and the GradScaler: dynamic loss scaling for float16 at O1 and O2, and at O2 the master weights' step."""
     level, dtype = args.opt_level, HALF_DTYPES[args.half_dtype]
-    if dtype == torch.float16 and device.type != "cuda":
-        dtype = torch.bfloat16
-        if level != "O0":
-            log(f"--half-dtype float16 needs CUDA: bfloat16 stands in on CPU for {level}")
     name, scaling = str(dtype).split(".")[1], level in ("O1", "O2") and dtype == torch.float16
     how = "dynamic loss scaling" if scaling else "no loss scaling"
     if level in ("O0", "O1"):
@@ -672,7 +650,9 @@ def join_process_group(args, store, rank, world_size, device):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
-        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
+            if backend != "gloo" else dist.group.WORLD
     except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
         raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
                         f"a rank elsewhere may have stopped (see the output of every node), or was never started"
@@ -862,11 +842,16 @@ def param_groups(model, args):
     return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def new_optimizer(model, args, fused):
-    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments)."""
+def new_optimizer(model, args):
+    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments). Fused wherever torch
+    has the kernel for these parameters, the CPU included, so that the CPU runs the GPU's optimizer: one kernel for
+    all of them, to which GradScaler hands its inf/NaN check on the device (no wait for the GPU each step).
+    Sharded parameters (FSDP's DTensors) have fused AdamW but no fused SGD (no sharding rule): foreach then."""
+    groups = param_groups(model, args)
+    sharded = any(hasattr(p, "full_tensor") for group in groups for p in group["params"])
     if args.opt == "adamw":
-        return torch.optim.AdamW(param_groups(model, args), lr=args.lr, fused=fused)
-    return torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum, fused=fused)
+        return torch.optim.AdamW(groups, lr=args.lr, fused=True)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not sharded, foreach=sharded or None)
 
 
 def lr_factor(step, steps_per_epoch, args):
@@ -1493,9 +1478,12 @@ def save_checkpoint(state, is_best, output_dir):
 
 
 def resume_path(args):
+    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
+    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
+    never starts it afresh over the training it holds."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
-        return path if os.path.exists(path) else None
+        return path if os.path.lexists(path) else None
     if args.resume and not os.path.exists(args.resume):
         raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
     return args.resume or None

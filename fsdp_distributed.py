@@ -28,6 +28,7 @@ import datetime
 import fcntl
 import functools
 import glob
+import itertools
 import json
 import math
 import multiprocessing
@@ -52,7 +53,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import swa_utils
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 from torch.utils.tensorboard import SummaryWriter
@@ -89,7 +89,8 @@ def parse_args(argv=None):
     add("--crop-size", type=number(int, 1), default=224)
     add("--val-resize", type=number(int, 1), default=None,
         help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
-    add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
+    add("--amp", choices=("none", "fp16", "bf16"), default="none",
+        help="autocast dtype; fp16 scales the loss (on a CPU: for tests, slow)")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--no-tf32", action="store_true",
@@ -159,8 +160,6 @@ def find_processes(args, local_index):
 
 def check_launch_args(args, world_size, device):
     """The flags this launcher adds or reads its own way, checked before any process waits for another."""
-    if args.amp == "fp16" and device.type != "cuda":
-        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
     if args.compile:
         raise UserError("--compile: fsdp_distributed.py does not compile the sharded model (torch 2.14's inductor "
                         "fails on FSDP2's hooks across the whole model); drop it, or train with distributed.py")
@@ -218,13 +217,14 @@ def prepare_model(model, args, device, log):
     all-gathered just before its forward and its backward and freed after, and whose gradients are
     reduce-scattered in backward; the root holds the rest. Each process keeps a 1/N shard of every weight (fp32),
     of its gradient and of its optimizer state. With --amp, a MixedPrecisionPolicy: the gathered weights and the
-    computation in the half dtype, the gradients reduced in fp32. The model comes in on the CPU, the same on every
-    rank (check_and_load seeds it): fully_shard moves each group's shards to the device, one group at a time."""
+    computation in the half dtype, the gradients reduced in fp32, the logits handed to the loss in fp32. The model
+    comes in on the CPU, the same on every rank (check_and_load seeds it): fully_shard moves each group's shards to
+    the device, one group at a time. --channels-last leaves the weights contiguous (fully_shard takes no other) and
+    gives the model channels-last inputs (the Prefetcher): convolutions follow their input's memory format."""
     if args.sync_bn and device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn:
         log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
-    model = model.to(memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     mesh = device_mesh(args, device)
     half = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
@@ -235,8 +235,8 @@ def prepare_model(model, args, device, log):
     groups = [block for block in blocks(model) if not (half and isinstance(block, BATCHNORM))]  # grouped above
     for block in groups:  # bottom-up: a parameter belongs to the innermost group that holds it
         shard(block, mp_policy=policy)
-    shard(model, mp_policy=policy)
-    model.input_size = args.crop_size  # for evaluate's empty batches
+    shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
+                                                output_dtype=torch.float32))  # the loss in fp32, as with autocast
     log(f"FSDP: {len(groups)} blocks and the root sharded over {'x'.join(map(str, mesh.shape))} processes "
         f"({', '.join(mesh.mesh_dim_names)}), reshard after forward {'on' if args.reshard_after_forward else 'off'}"
         + (f", {args.amp} weights and compute, fp32 gradient reduction" if half else ""))
@@ -279,15 +279,15 @@ def device_mesh(args, device):
 
 
 def build_optimizer(model, args, device, log):
-    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
-    return new_optimizer(model, args, fused=device.type == "cuda")
+    return new_optimizer(model, args)
 
 
 def setup_precision(model, optimizer, args, device, log):
     """(None: no autocast, prepare_model's MixedPrecisionPolicy casts the weights; the loss scaler, for fp16
-    only). Each rank holds only its shards' gradients: ShardedGradScaler makes all of them agree whether a step
-    had an inf/NaN, so that every rank skips the same steps."""
-    return None, ShardedGradScaler(device.type, enabled=args.amp == "fp16")
+    only). Each rank holds only its shards' gradients, DTensors: GradScaler's inf/NaN check on them is reduced over
+    the processes, so that every rank skips the same steps. (Not ShardedGradScaler: the check it makes has shape [1],
+    and fused AdamW, taking it, fails on its 0-dim step counters.)"""
+    return None, torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
 
 def wrap_model(model, args, device, amp_dtype):
@@ -634,20 +634,22 @@ def check_finite(summary, first_bad, epoch):
 
 def evaluate(model, batches, amp_dtype):
     """Each forward of the sharded model all-gathers the weights, a collective: a rank with fewer batches than
-    another (evaluation does not pad, to stay exact) runs empty ones until every rank has run as many. Under
-    no_grad, not inference_mode: FSDP keeps buffers from its first forward, which later steps must be able to use."""
+    another (evaluation does not pad, to stay exact) runs forwards whose outputs it drops until every rank has run
+    as many, each on one input of zeros (never none: some kernels, CUDA's flash attention, reject a batch of 0).
+    Under no_grad, not inference_mode: FSDP keeps buffers from its first forward, which later steps must use."""
     model.eval()
     device = next(model.parameters()).device
     metrics = Metrics(device)
-    rounds = torch.tensor(len(batches), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+    count, batches = len(batches), iter(batches)
+    first = next(batches, None)  # the shape of an input, for the padding forwards of any rank
+    shapes = gather_objects((count, first and (first[0].shape[1:], first[0].dtype)))
+    shape, dtype = next((example for _, example in shapes if example), (None, None))
     with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        for images, target in batches:
+        for images, target in itertools.chain([first] if first else [], batches):
             output = model(images).float()
             metrics.update(F.cross_entropy(output, target, reduction="sum"), output, target)
-        for _ in range(int(rounds) - len(batches)):
-            model(torch.empty(0, 3, model.input_size, model.input_size, device=device))
+        for _ in range(max(n for n, _ in shapes) - count):
+            model(torch.zeros(1, *shape, dtype=dtype, device=device))
     return metrics.summary()
 
 
@@ -743,7 +745,9 @@ def join_process_group(args, store, rank, world_size, device):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
-        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
+            if backend != "gloo" else dist.group.WORLD
     except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
         raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
                         f"a rank elsewhere may have stopped (see the output of every node), or was never started"
@@ -933,11 +937,16 @@ def param_groups(model, args):
     return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def new_optimizer(model, args, fused):
-    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments)."""
+def new_optimizer(model, args):
+    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments). Fused wherever torch
+    has the kernel for these parameters, the CPU included, so that the CPU runs the GPU's optimizer: one kernel for
+    all of them, to which GradScaler hands its inf/NaN check on the device (no wait for the GPU each step).
+    Sharded parameters (FSDP's DTensors) have fused AdamW but no fused SGD (no sharding rule): foreach then."""
+    groups = param_groups(model, args)
+    sharded = any(hasattr(p, "full_tensor") for group in groups for p in group["params"])
     if args.opt == "adamw":
-        return torch.optim.AdamW(param_groups(model, args), lr=args.lr, fused=fused)
-    return torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum, fused=fused)
+        return torch.optim.AdamW(groups, lr=args.lr, fused=True)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not sharded, foreach=sharded or None)
 
 
 def lr_factor(step, steps_per_epoch, args):
@@ -1563,9 +1572,12 @@ def save_checkpoint(state, is_best, output_dir):
 
 
 def resume_path(args):
+    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
+    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
+    never starts it afresh over the training it holds."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
-        return path if os.path.exists(path) else None
+        return path if os.path.lexists(path) else None
     if args.resume and not os.path.exists(args.resume):
         raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
     return args.resume or None

@@ -86,7 +86,8 @@ def parse_args(argv=None):
     add("--crop-size", type=number(int, 1), default=224)
     add("--val-resize", type=number(int, 1), default=None,
         help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
-    add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype (fp16 needs CUDA)")
+    add("--amp", choices=("none", "fp16", "bf16"), default="none",
+        help="autocast dtype; fp16 scales the loss (on a CPU: for tests, slow)")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--no-tf32", action="store_true",
@@ -197,9 +198,8 @@ def find_processes(args, local_index):
 
 
 def check_launch_args(args, world_size, device):
-    """The flags this launcher adds or reads its own way, checked before any process waits for another."""
-    if args.amp == "fp16" and device.type != "cuda":
-        raise UserError("--amp fp16 needs CUDA (fp16 with a GradScaler); on CPU use --amp bf16 or --amp none")
+    """The flags this launcher adds or reads its own way, checked before any process waits for another: none
+    can be wrong here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -253,8 +253,7 @@ def prepare_model(model, args, device, log):
 
 
 def build_optimizer(model, args, device, log):
-    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
-    return new_optimizer(model, args, fused=device.type == "cuda")
+    return new_optimizer(model, args)
 
 
 def setup_precision(model, optimizer, args, device, log):
@@ -672,7 +671,9 @@ def join_process_group(args, store, rank, world_size, device):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
-        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
+            if backend != "gloo" else dist.group.WORLD
     except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
         raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
                         f"a rank elsewhere may have stopped (see the output of every node), or was never started"
@@ -862,11 +863,16 @@ def param_groups(model, args):
     return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def new_optimizer(model, args, fused):
-    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments)."""
+def new_optimizer(model, args):
+    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments). Fused wherever torch
+    has the kernel for these parameters, the CPU included, so that the CPU runs the GPU's optimizer: one kernel for
+    all of them, to which GradScaler hands its inf/NaN check on the device (no wait for the GPU each step).
+    Sharded parameters (FSDP's DTensors) have fused AdamW but no fused SGD (no sharding rule): foreach then."""
+    groups = param_groups(model, args)
+    sharded = any(hasattr(p, "full_tensor") for group in groups for p in group["params"])
     if args.opt == "adamw":
-        return torch.optim.AdamW(param_groups(model, args), lr=args.lr, fused=fused)
-    return torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum, fused=fused)
+        return torch.optim.AdamW(groups, lr=args.lr, fused=True)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not sharded, foreach=sharded or None)
 
 
 def lr_factor(step, steps_per_epoch, args):
@@ -1492,9 +1498,12 @@ def save_checkpoint(state, is_best, output_dir):
 
 
 def resume_path(args):
+    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
+    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
+    never starts it afresh over the training it holds."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
-        return path if os.path.exists(path) else None
+        return path if os.path.lexists(path) else None
     if args.resume and not os.path.exists(args.resume):
         raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
     return args.resume or None

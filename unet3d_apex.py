@@ -945,7 +945,9 @@ def join_process_group(args, store, rank, world_size, device):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=args.dist_timeout),
                                 device_id=device if device.type == "cuda" else None)
-        return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
+            if backend != "gloo" else dist.group.WORLD
     except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
         raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
                         f"a rank elsewhere may have stopped (see the output of every node), or was never started"
@@ -1192,9 +1194,12 @@ def save_checkpoint(state, is_best, output_dir):
 
 
 def resume_path(args):
+    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
+    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
+    never starts it afresh over the training it holds."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
-        return path if os.path.exists(path) else None
+        return path if os.path.lexists(path) else None
     if args.resume and not os.path.exists(args.resume):
         raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
     return args.resume or None
