@@ -16,7 +16,7 @@ exact whole-volume Dice/IoU, TensorBoard, checkpoints, preemption.
     python unet3d_apex.py --synthetic
 
 Differs from distributed.py: volumes and random patches instead of ImageFolder, a 3D U-Net, Adam +
-MultiStepLR (per epoch), --amp as one switch (fp16 with a GradScaler on CUDA, bf16 on CPU), and
+MultiStepLR (per epoch), --amp as one switch (fp16 with a GradScaler, the CPU too), and
 evaluation of whole volumes tiled by patches, with Dice/IoU summed over all voxels of all validation
 volumes. How the processes start, the process group, DDP, checkpoints and preemption are distributed.py's
 (the same text); the training flow has its shape (RunState, train_one_epoch, evaluate) with the U-Net's
@@ -96,7 +96,7 @@ def parse_args(argv=None):
     add("--milestones", type=number(int, 1), nargs="*", default=(60, 80),
         help="epochs at which MultiStepLR multiplies the lr by --gamma")
     add("--gamma", type=number(float, above=0), default=0.1, help="the lr's factor at each milestone")
-    add("--amp", action="store_true", help="autocast: fp16 with a GradScaler on CUDA, bf16 on CPU")
+    add("--amp", action="store_true", help="autocast to fp16 with a GradScaler (on a CPU: for tests, slow)")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--resume", default="", metavar="PATH|auto",
         help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
@@ -151,7 +151,7 @@ def find_processes(args, local_index):
 
 def check_launch_args(args, world_size, device):
     """The flags this launcher adds or reads its own way, checked before any process waits for another: none
-    can be wrong here (on CPU, bf16 autocast stands in for --amp's fp16)."""
+    can be wrong here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -196,18 +196,14 @@ def prepare_model(model, args, device, log):
 
 
 def build_optimizer(model, args, device, log):
-    # fused on CUDA: one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
-    return torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                            fused=device.type == "cuda")
+    # fused (the CPU too): one kernel for all parameters, and GradScaler's inf check without waiting for the GPU
+    return torch.optim.Adam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, fused=True)
 
 
 def setup_precision(model, optimizer, args, device, log):
-    """(autocast dtype or None, GradScaler) for --amp: fp16 with loss scaling on CUDA; bf16, which needs no
-    loss scaling, on CPU, where fp16 autocast and its GradScaler do not run."""
-    amp_dtype = (torch.float16 if device.type == "cuda" else torch.bfloat16) if args.amp else None
-    if args.amp and device.type != "cuda":
-        log("--amp: bf16 autocast on CPU (fp16 and its GradScaler need CUDA)")
-    return amp_dtype, torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    """(autocast dtype or None, GradScaler) for --amp: fp16 with loss scaling, on the CPU too (slow there: for
+    tests, which so run the GPU's path)."""
+    return torch.float16 if args.amp else None, torch.amp.GradScaler(device.type, enabled=args.amp)
 
 
 def wrap_model(model, args, device, amp_dtype):

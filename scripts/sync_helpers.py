@@ -52,7 +52,7 @@ OWN = {
                             "read_checkpoint"},
     "apex_distributed.py": {"parse_args", "setup_precision", "collate"},
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
-    "unet3d_apex.py": {"parse_args", "check_args", "check_launch_args", "describe_processes", "prepare_model",
+    "unet3d_apex.py": {"parse_args", "check_args", "describe_processes", "prepare_model",
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
                        "check_finite", "evaluate", "check_and_load", "build_datasets", "build_loaders",
                        "load_checkpoint"},

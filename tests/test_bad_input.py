@@ -29,6 +29,15 @@ def checkpoint(tmp_path, truncate=False, num_classes=4, drop=(), **content):
     return path
 
 
+def broken_checkpoint(tmp_path, make):
+    """--resume auto in an --output-dir whose checkpoint make(path) left there: it must stop the run, never
+    start it afresh over the training the checkpoint stands for."""
+    folder = tmp_path / "resumed"
+    folder.mkdir()
+    make(folder / "checkpoint.pth.tar")
+    return ["--resume", "auto", "--output-dir", folder]
+
+
 def first_train_image(data):
     return data / "train" / "class0" / "0000.JPEG"
 
@@ -62,11 +71,19 @@ CASES = {
         r"--grad-accum-steps 3 must divide each process's batch 8 \(-b 16 / 2 processes\)"),
     "batch larger than the data": (1, lambda d, t: [d, "-b", "512"],
                                    r"192 training images are fewer than one global batch of 512: lower -b"),
-    "fp16 without CUDA": (1, lambda d, t: [d, "--amp", "fp16"], r"--amp fp16 needs CUDA.*use --amp bf16"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
                             r"--resume .*none.pth.tar: no such file"),
     "resume path unreadable": (1, lambda d, t: [d, "--resume", t],
                                r"cannot load checkpoint .*: it is unreadable or truncated"),
+    "resume auto, the checkpoint a link to nothing": (
+        1, lambda d, t: [d, *broken_checkpoint(t, lambda path: path.symlink_to("gone"))],
+        r"cannot load checkpoint .*resumed/checkpoint.pth.tar \(.*No such file.*\): it is unreadable"),
+    "resume auto, the checkpoint an empty file": (
+        1, lambda d, t: [d, *broken_checkpoint(t, lambda path: path.write_bytes(b""))],
+        r"cannot load checkpoint .*resumed/checkpoint.pth.tar \(.*\): it is unreadable"),
+    "resume auto, the checkpoint a folder": (
+        1, lambda d, t: [d, *broken_checkpoint(t, lambda path: path.mkdir())],
+        r"cannot load checkpoint .*resumed/checkpoint.pth.tar \(.*\): it is unreadable"),
     "resume checkpoint truncated": (1, lambda d, t: [d, "--resume", checkpoint(t, truncate=True)],
                                     r"cannot load checkpoint .*ckpt.pth.tar .*unreadable or truncated; "
                                     r"resume from another file"),
@@ -114,11 +131,12 @@ FSDP = "fsdp_distributed.py"
 SIBLINGS = {SPAWN: ["a value out of its range, on two ranks", "missing data folder",
                     "batch not divisible by world size", "corrupt JPEG on one of two ranks",
                     "resume checkpoint of another arch", "loss becomes NaN"],
-            DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint truncated", "fp16 without CUDA"],
+            DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint truncated",
+                           "resume auto, the checkpoint a link to nothing"],
             SLURM: ["corrupt JPEG on one of two ranks", "a value out of its range, on two ranks"],
             # its checkpoints are its own: tests/test_fsdp_distributed.py has those cases
             FSDP: ["a value out of its range, on two ranks", "batch not divisible by world size",
-                   "corrupt JPEG on one of two ranks", "fp16 without CUDA", "loss becomes NaN"]}
+                   "corrupt JPEG on one of two ranks", "loss becomes NaN"]}
 
 
 def launch(script, processes, *args, env=None):

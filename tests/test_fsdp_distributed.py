@@ -162,6 +162,12 @@ def resume_a_damaged_shard(out, scratch):
     return ["--resume", "auto", "--output-dir", out]
 
 
+def resume_without(out, change):
+    """--resume auto in a finished run's output copy after change(link to its checkpoint folder)."""
+    change(out / "checkpoint.dcp")
+    return ["--resume", "auto", "--output-dir", out]
+
+
 # name: (processes, arguments given a finished run's output copy and a scratch folder, what the error line says)
 BAD = {
     "--model-ema": (1, lambda out, t: ["--model-ema"], r"--model-ema: fsdp_distributed.py keeps no average"),
@@ -176,6 +182,12 @@ BAD = {
                                        r"--export .*nowhere/full.pth.tar: its folder does not exist"),
     "a folder that is no checkpoint": (1, lambda out, t: ["--resume", t],
                                        r"cannot load checkpoint .*: it is unreadable or truncated"),
+    "--resume auto, the checkpoint's folder gone": (
+        1, lambda out, t: resume_without(out, lambda link: shutil.rmtree(link.resolve())),
+        r"cannot load checkpoint .*checkpoint.dcp \(.*No such file.*\): it is unreadable"),
+    "--resume auto, the shards' metadata gone": (
+        1, lambda out, t: resume_without(out, lambda link: (link / ".metadata").unlink()),
+        r"cannot load checkpoint .*checkpoint.dcp \(.*\): it is unreadable"),
     "a damaged shard": (2, resume_a_damaged_shard, r"cannot load the shards in .*checkpoint.dcp.* \(.*\): resume from "
                                                    r"another checkpoint"),
 }

@@ -1,0 +1,138 @@
+"""The CPU takes the GPU's path wherever torch allows, so that this suite tests what GPUs run: fused optimizers
+(FSDP's SGD: foreach, torch has no fused SGD for sharded parameters), fp16 autocast with a GradScaler (loss scaling,
+skipped steps, the scale in checkpoints, clipping after unscale_), apex's O2 and O3 in float16, channels-last, in
+every script under its own launcher. And what once took another path on CUDA: FSDP's loss in fp32, the preemption
+group's timeout, apex's optimizer with apex installed."""
+import datetime
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import FAST, import_script, load, ok, python, spawn, torchrun
+from test_horovod import horovodrun
+
+# one run per script: fp16 (squeezenet: fp16's backward is slow on a CPU without fp16 arithmetic, resnet18's some
+# 50 times slower), channels-last, clipping after unscale_, loader workers
+GPU_PATH = [*FAST, "--dummy", "--dummy-size", "32", "-a", "squeezenet1_1", "-b", "8", "-j", "2", "--epochs", "1",
+            "--channels-last", "--clip-grad-norm", "1"]
+FP16 = ["--amp", "fp16"]
+RUNS = {
+    "distributed.py": lambda *a: torchrun("distributed.py", 2, *FP16, *a),
+    "multiprocessing_distributed.py": lambda *a: spawn("multiprocessing_distributed.py", 2, *FP16, *a),
+    "distributed_slurm_main.py": lambda *a: python("distributed_slurm_main.py", "--procs-per-node", 2, *FP16, *a),
+    "dataparallel.py": lambda *a: python("dataparallel.py", *FP16, *a),
+    "horovod_distributed.py": lambda *a: horovodrun(2, *FP16, *a),
+    "apex_distributed.py O2": lambda *a: torchrun("apex_distributed.py", 2, "--opt-level", "O2", *a),
+    "apex_distributed.py O3": lambda *a: torchrun("apex_distributed.py", 2, "--opt-level", "O3", *a),
+    "fsdp_distributed.py sgd": lambda *a: torchrun("fsdp_distributed.py", 2, *FP16, *a),
+    "fsdp_distributed.py adamw": lambda *a: torchrun("fsdp_distributed.py", 2, *FP16, "--opt", "adamw", *a),
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_every_script_trains_on_the_gpus_path_on_the_cpu(run, tmp_path):
+    """fp16 with loss scaling, a fused optimizer, channels-last and clipping, as a GPU run makes them. FSDP crashed
+    here on every GPU: fused SGD over DTensors, ShardedGradScaler's inf check with fused AdamW, channels-last
+    weights that fully_shard refuses."""
+    if run.startswith("horovod"):
+        pytest.importorskip("horovod.torch")
+    job = ok(RUNS[run](*GPU_PATH, "--output-dir", tmp_path), timeout=240)
+    assert "Epoch 0: train loss" in job.output, job.output
+    if run.startswith("fsdp"):
+        return  # its checkpoint is a folder of shards: test_fsdp_step_runs_fused_or_foreach below looks at its step
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert ckpt["optimizer"]["param_groups"][0]["fused"] is True
+    scaled = not run.endswith("O3")  # O3: pure half, no loss scaling (as apex's)
+    assert (ckpt["scaler"].get("scale", 0) > 0) == scaled, ckpt["scaler"]
+
+
+def args_for(module, *argv):
+    return module.parse_args(["--dummy", *argv])
+
+
+def fsdp_step(opt, amp):
+    """One training step of a sharded model (a one-process group) through the script's own pieces, on inputs so
+    large that fp16's scaled gradients overflow: (optimizer, scaler, weights before, weights after)."""
+    fsdp = import_script("fsdp_distributed.py")
+    args = args_for(fsdp, "--opt", opt, "--amp", amp, "--clip-grad-norm", "1", "--channels-last")
+    model = fsdp.prepare_model(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                                                   torch.nn.Linear(4 * 6 * 6, 3)), args, torch.device("cpu"), print)
+    optimizer = fsdp.build_optimizer(model, args, torch.device("cpu"), print)
+    _, scaler = fsdp.setup_precision(model, optimizer, args, torch.device("cpu"), print)
+    images = (torch.randn(4, 3, 8, 8) * 1000).contiguous(memory_format=torch.channels_last)  # overflows fp16 x 2^16
+    output = model(images)
+    assert output.dtype == torch.float32  # the loss in fp32, as autocast gives it; fp16 logits overflowed it
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    scaler.scale(torch.nn.functional.cross_entropy(output, torch.tensor([0, 1, 2, 0]))).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+    scaler.step(optimizer)
+    scaler.update()
+    return optimizer, scaler, before, [p.full_tensor() for p in model.parameters()]
+
+
+@pytest.fixture
+def process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_fsdp_step_runs_fused_or_foreach(opt, amp, process_group):
+    """torch has fused AdamW for DTensors, not fused SGD (no sharding rule: every GPU run crashed at its first step):
+    SGD takes the foreach path. fp16's GradScaler finds the overflow and skips the step on the sharded
+    gradients (clipping unscaled them first); bf16 steps."""
+    optimizer, scaler, before, after = fsdp_step(opt, amp)
+    group = optimizer.param_groups[0]
+    assert (group["fused"], bool(group["foreach"])) == ((False, True) if opt == "sgd" else (True, False))
+    moved = any(not torch.equal(a, b) for a, b in zip(before, after))
+    assert moved == (amp == "bf16")
+    assert scaler.is_enabled() == (amp == "fp16")
+
+
+def test_a_skipped_fp16_step_leaves_the_weights_and_halves_the_scale():
+    """The reference's step on the CPU as on a GPU: fused SGD takes GradScaler's inf check on the device."""
+    module = import_script("distributed.py")
+    model = torch.nn.Linear(4, 2)
+    optimizer = module.new_optimizer(model, args_for(module))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    before = model.weight.detach().clone()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.full((2, 4), 1e4)).float().square().sum()  # its gradient overflows fp16 scaled by 2^16
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(model.weight.detach(), before) and scaler.get_scale() == 2.0 ** 15
+
+
+def test_the_preemption_group_waits_dist_timeout():
+    """With NCCL the processes agree on preemption in a gloo group of their own: it must wait --dist-timeout, not
+    torch's 30 minutes (a long checkpoint write then ended the run as "a rank stopped answering"). "cpu:gloo" makes
+    that second group on a CPU."""
+    module = import_script("distributed.py")
+    args = args_for(module, "--dist-backend", "cpu:gloo", "--dist-timeout", "77")
+    group = module.join_process_group(args, dist.HashStore(), 0, 1, torch.device("cpu"))
+    try:
+        assert group is not dist.group.WORLD
+        assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=77)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_apex_installed_still_steps_with_torchs_fused_sgd(monkeypatch):
+    """apex's FusedSGD lacks _step_supports_amp_scaling: GradScaler read its inf check with .item(), a wait for the
+    GPU every step. With apex importable the script still builds torch's fused SGD."""
+    class FusedSGD(torch.optim.SGD):  # apex's, as GradScaler sees it
+        pass
+
+    monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
+    monkeypatch.setitem(sys.modules, "apex.optimizers", types.SimpleNamespace(FusedSGD=FusedSGD))
+    monkeypatch.setitem(sys.modules, "amp_C", types.ModuleType("amp_C"))
+    module = import_script("apex_distributed.py")
+    optimizer = module.build_optimizer(torch.nn.Linear(4, 2), args_for(module), torch.device("cuda"), print)
+    assert type(optimizer) is torch.optim.SGD and optimizer._step_supports_amp_scaling
