@@ -279,7 +279,7 @@ def device_mesh(args, device):
 
 
 def build_optimizer(model, args, device, log):
-    return new_optimizer(model, args)
+    return new_optimizer(model, args, scaled_loss=args.amp == "fp16")
 
 
 def setup_precision(model, optimizer, args, device, log):
@@ -937,16 +937,18 @@ def param_groups(model, args):
     return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def new_optimizer(model, args):
+def new_optimizer(model, args, scaled_loss):
     """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments). Fused wherever torch
-    has the kernel for these parameters, the CPU included, so that the CPU runs the GPU's optimizer: one kernel for
-    all of them, to which GradScaler hands its inf/NaN check on the device (no wait for the GPU each step).
-    Sharded parameters (FSDP's DTensors) have fused AdamW but no fused SGD (no sharding rule): foreach then."""
+    has the kernel for these parameters and it is right, the CPU included, so that the CPU runs the GPU's optimizer:
+    one kernel for all of them, to which GradScaler hands its inf/NaN check on the device (no wait for the GPU each
+    step). SGD takes the foreach path instead with a scaled loss (torch's fused SGD skips the step GradScaler finds
+    an inf in, but not the momentum's update: a skipped first step leaves it uninitialized, the next steps diverge)
+    and for sharded parameters (FSDP's DTensors: fused AdamW has a sharding rule, fused SGD none)."""
     groups = param_groups(model, args)
-    sharded = any(hasattr(p, "full_tensor") for group in groups for p in group["params"])
     if args.opt == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=True)
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not sharded, foreach=sharded or None)
+    foreach = scaled_loss or any(hasattr(p, "full_tensor") for group in groups for p in group["params"])
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not foreach, foreach=foreach or None)
 
 
 def lr_factor(step, steps_per_epoch, args):

@@ -50,7 +50,7 @@ OWN = {
     "fsdp_distributed.py": {"parse_args", "check_launch_args", "start_process_group", "prepare_model",
                             "setup_precision", "wrap_model", "train_step", "RunState", "evaluate", "CHECKPOINT",
                             "read_checkpoint"},
-    "apex_distributed.py": {"parse_args", "setup_precision", "collate"},
+    "apex_distributed.py": {"parse_args", "build_optimizer", "setup_precision", "collate"},
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
     "unet3d_apex.py": {"parse_args", "check_args", "describe_processes", "prepare_model",
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",

@@ -4,6 +4,7 @@ skipped steps, the scale in checkpoints, clipping after unscale_), apex's O2 and
 every script under its own launcher. And what once took another path on CUDA: FSDP's loss in fp32, the preemption
 group's timeout, apex's optimizer with apex installed."""
 import datetime
+import functools
 import sys
 import types
 
@@ -23,7 +24,7 @@ RUNS = {
     "distributed.py": lambda *a: torchrun("distributed.py", 2, *FP16, *a),
     "multiprocessing_distributed.py": lambda *a: spawn("multiprocessing_distributed.py", 2, *FP16, *a),
     "distributed_slurm_main.py": lambda *a: python("distributed_slurm_main.py", "--procs-per-node", 2, *FP16, *a),
-    "dataparallel.py": lambda *a: python("dataparallel.py", *FP16, *a),
+    "dataparallel.py adamw": lambda *a: python("dataparallel.py", *FP16, "--opt", "adamw", *a),
     "horovod_distributed.py": lambda *a: horovodrun(2, *FP16, *a),
     "apex_distributed.py O2": lambda *a: torchrun("apex_distributed.py", 2, "--opt-level", "O2", *a),
     "apex_distributed.py O3": lambda *a: torchrun("apex_distributed.py", 2, "--opt-level", "O3", *a),
@@ -44,9 +45,10 @@ def test_every_script_trains_on_the_gpus_path_on_the_cpu(run, tmp_path):
     if run.startswith("fsdp"):
         return  # its checkpoint is a folder of shards: test_fsdp_step_runs_fused_or_foreach below looks at its step
     ckpt = load(tmp_path / "checkpoint.pth.tar")
-    assert ckpt["optimizer"]["param_groups"][0]["fused"] is True
     scaled = not run.endswith("O3")  # O3: pure half, no loss scaling (as apex's)
     assert (ckpt["scaler"].get("scale", 0) > 0) == scaled, ckpt["scaler"]
+    group = ckpt["optimizer"]["param_groups"][0]
+    assert group["fused"] == (run.endswith("adamw") or not scaled)  # SGD with a scaled loss: foreach
 
 
 def args_for(module, *argv):
@@ -95,19 +97,34 @@ def test_fsdp_step_runs_fused_or_foreach(opt, amp, process_group):
     assert scaler.is_enabled() == (amp == "fp16")
 
 
-def test_a_skipped_fp16_step_leaves_the_weights_and_halves_the_scale():
-    """The reference's step on the CPU as on a GPU: fused SGD takes GradScaler's inf check on the device."""
-    module = import_script("distributed.py")
-    model = torch.nn.Linear(4, 2)
-    optimizer = module.new_optimizer(model, args_for(module))
+def scaled_steps(optimizer, model):
+    """Four fp16 steps with a GradScaler, the first two of them skipped (their gradients overflow fp16 at the scale
+    of 2^16 and 2^15): the weights after, and the scale."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    before = model.weight.detach().clone()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(torch.full((2, 4), 1e4)).float().square().sum()  # its gradient overflows fp16 scaled by 2^16
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    assert torch.equal(model.weight.detach(), before) and scaler.get_scale() == 2.0 ** 15
+    for size in (1e4, 1e4, 1.0, 1.0):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.full((2, 4), size)).float().square().sum()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return model.weight.detach(), scaler.get_scale()
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_skipped_fp16_steps_leave_the_optimizer_as_if_they_never_were(opt):
+    """The optimizer of every script with --amp fp16 against torch's plain for-loop one. torch's fused SGD (on GPUs
+    too) skipped the step but not the momentum's update, left uninitialized by a skipped first step: the weights
+    went far off at the next one. Fused AdamW skips it whole."""
+    module = import_script("distributed.py")
+    args = args_for(module, "--opt", opt, "--amp", "fp16", "--lr", "0.1")
+    models = [torch.nn.Linear(4, 2) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ours = scaled_steps(module.build_optimizer(models[0], args, torch.device("cpu"), print), models[0])
+    kind = torch.optim.AdamW if opt == "adamw" else functools.partial(torch.optim.SGD, momentum=0.9)
+    plain = scaled_steps(kind(models[1].parameters(), lr=0.1, weight_decay=1e-4, foreach=False), models[1])
+    assert ours[1] == plain[1] == 2.0 ** 14
+    assert torch.allclose(ours[0], plain[0], rtol=1e-5, atol=1e-6), (ours, plain)
 
 
 def test_the_preemption_group_waits_dist_timeout():
@@ -134,5 +151,6 @@ def test_apex_installed_still_steps_with_torchs_fused_sgd(monkeypatch):
     monkeypatch.setitem(sys.modules, "apex.optimizers", types.SimpleNamespace(FusedSGD=FusedSGD))
     monkeypatch.setitem(sys.modules, "amp_C", types.ModuleType("amp_C"))
     module = import_script("apex_distributed.py")
-    optimizer = module.build_optimizer(torch.nn.Linear(4, 2), args_for(module), torch.device("cuda"), print)
+    args = args_for(module, "--opt-level", "O2", "--half-dtype", "bfloat16")  # no loss scaling: fused SGD
+    optimizer = module.build_optimizer(torch.nn.Linear(4, 2), args, torch.device("cuda"), print)
     assert type(optimizer) is torch.optim.SGD and optimizer._step_supports_amp_scaling
