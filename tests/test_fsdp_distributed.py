@@ -235,3 +235,27 @@ def test_a_full_disk_while_the_shards_are_written_keeps_the_last_checkpoint(pair
                                r"is kept\)", launcher_reports=True)
     assert sorted(os.listdir(out)) == before
     ok(torchrun(SCRIPT, 2, image_data, *SGD, "-e", "--resume", out / "checkpoint.dcp"))
+
+
+NO_EMPTY_BATCHES = """
+import runpy, sys, torch
+def refuse(module, inputs):
+    if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].shape[0] == 0:
+        raise RuntimeError(f"{type(module).__name__} was given a batch of 0 rows")
+torch.nn.modules.module.register_module_forward_pre_hook(refuse)
+runpy.run_path(sys.argv.pop(1), run_name="__main__")
+"""
+
+
+def test_evaluation_never_gives_the_model_a_batch_of_0_rows(pairs, tmp_path):
+    """With -b 4 the 101 validation images are 26 batches on rank 0 and 25 on rank 1, which runs one more forward
+    (a collective) whose output it drops: on one input, never on none (CUDA's flash attention rejects a batch of 0,
+    pytorch/pytorch#133780). The numbers are those the training run printed."""
+    pair = pairs("sgd")
+    wrapper = tmp_path / "no_empty_batches.py"
+    wrapper.write_text(NO_EMPTY_BATCHES)
+    job = ok(torchrun(wrapper, 2, SCRIPT, *pair.args, "-b", "4", "-e", "--resume", pair.out / "checkpoint.dcp"))
+    found = re.search(r"val: loss ([\d.]+) acc1 ([\d.]+) ", job.output)
+    assert found, job.output
+    row = metrics(pair.out)[-1]
+    assert (float(found[1]), float(found[2])) == pytest.approx((row["val_loss"], row["val_acc1"]), abs=1e-3)
