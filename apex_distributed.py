@@ -8,8 +8,9 @@ torch.autocast + GradScaler, fp32 master weights, torch.nn.SyncBatchNorm, DDP. a
     # two nodes (run on each, R = 0 or 1)
     torchrun --nnodes=2 --node-rank=R --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:29400 apex_distributed.py /data/imagenet
-    # CPU demo, no dataset needed (gloo backend)
-    torchrun --standalone --nproc_per_node=2 apex_distributed.py --dummy --crop-size 64 -b 64 --epochs 3
+    # CPU demo, no dataset needed (gloo backend; bfloat16: a CPU runs float16's backward slowly)
+    torchrun --standalone --nproc_per_node=2 apex_distributed.py --dummy --crop-size 64 -b 64 --epochs 3 \
+        --half-dtype bfloat16
     # no launcher: one process
     python apex_distributed.py --dummy
 

@@ -1,5 +1,6 @@
-"""apex_distributed.py under torchrun on CPU, bfloat16 standing in for float16: apex's opt levels O0-O3,
-O2's fp32 master weights and their bit-exact resume, normalization done once, and apex being absent."""
+"""apex_distributed.py under torchrun on CPU, in bfloat16 (float16's backward is slow on a CPU; tests/test_one_path.py
+runs O2 and O3 in float16): apex's opt levels O0-O3, O2's fp32 master weights and their bit-exact resume,
+normalization done once, and a broken apex on the path."""
 import math
 
 import pytest
@@ -11,8 +12,9 @@ from conftest import FAST, import_script, load, ok, torchrun
 from test_distributed import CHECKPOINT_KEYS, assert_same_tensors, metrics
 
 SCRIPT = "apex_distributed.py"
-RESUME = [*FAST, "--deterministic", "--opt-level", "O2"]
-# a build of apex for another CUDA or torch fails like this on import; the script must carry on without it
+BF16 = ["--half-dtype", "bfloat16"]
+RESUME = [*FAST, "--deterministic", "--opt-level", "O2", *BF16]
+# a build of apex for another CUDA or torch fails like this on import; the script imports nothing from apex
 BROKEN_APEX = 'raise OSError("libcudart.so.11.0: cannot open shared object file: No such file or directory")'
 
 
@@ -40,17 +42,14 @@ def test_o0_trains_in_fp32_despite_a_broken_apex(image_data, tmp_path):
     (fake / "__init__.py").write_text(BROKEN_APEX)
     job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O0", "--epochs", "2",
                       "--output-dir", tmp_path / "out", env={"PYTHONPATH": tmp_path / "site"}))
-    assert "apex unavailable (OSError: libcudart.so.11.0" in job.output
-    assert "opt level O0: fp32 throughout" in job.output and "bfloat16 stands in" not in job.output
+    assert "opt level O0: fp32 throughout" in job.output
     assert_trains(tmp_path / "out", 2)
 
 
 def test_o1_autocast_learns_without_apex(image_data, tmp_path):
-    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O1", "--epochs", "3", "--output-dir", tmp_path))
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O1", *BF16, "--epochs", "3",
+                      "--output-dir", tmp_path))
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
-    assert "--half-dtype float16 needs CUDA: bfloat16 stands in on CPU for O1" in job.output
-    assert ("optimizer: torch.optim.SGD(fused=True); "
-            "apex unavailable (ModuleNotFoundError: No module named 'apex')") in job.output
     assert "opt level O1: fp32 weights, autocast to bfloat16, no loss scaling" in job.output
     rows = assert_trains(tmp_path, 3)
     assert max(r["val_acc1"] for r in rows) >= 70 and rows[-1]["train_acc1"] >= 60, rows  # 4 classes: chance is 25%
@@ -88,7 +87,8 @@ def test_o2_resume_continues_bit_for_bit(image_data, tmp_path, o2):
 
 
 def test_o3_trains_in_pure_half_with_loader_workers_and_channels_last(image_data, tmp_path):
-    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O3", "--epochs", "2", "-j", "1", "--channels-last",
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O3", *BF16, "--epochs", "2", "-j", "1",
+                      "--channels-last",
                       "--output-dir", tmp_path))
     assert "opt level O3: pure bfloat16" in job.output
     assert_trains(tmp_path, 2)

@@ -1,6 +1,6 @@
 """The CPU takes the GPU's path wherever torch allows, so that this suite tests what GPUs run: fused optimizers
 (FSDP's SGD: foreach, torch has no fused SGD for sharded parameters), fp16 autocast with a GradScaler (loss scaling,
-skipped steps, the scale in checkpoints, clipping after unscale_), apex's O2 and O3 in float16, channels-last, in
+skipped steps, the scale in checkpoints, clipping after unscale_), apex's O1-O3 in float16, channels-last, in
 every script under its own launcher. And what once took another path on CUDA: FSDP's loss in fp32, the preemption
 group's timeout, apex's optimizer with apex installed."""
 import datetime
@@ -26,6 +26,7 @@ RUNS = {
     "distributed_slurm_main.py": lambda *a: python("distributed_slurm_main.py", "--procs-per-node", 2, *FP16, *a),
     "dataparallel.py adamw": lambda *a: python("dataparallel.py", *FP16, "--opt", "adamw", *a),
     "horovod_distributed.py": lambda *a: horovodrun(2, *FP16, *a),
+    "apex_distributed.py O1": lambda *a: torchrun("apex_distributed.py", 2, "--opt-level", "O1", *a),
     "apex_distributed.py O2": lambda *a: torchrun("apex_distributed.py", 2, "--opt-level", "O2", *a),
     "apex_distributed.py O3": lambda *a: torchrun("apex_distributed.py", 2, "--opt-level", "O3", *a),
     "fsdp_distributed.py sgd": lambda *a: torchrun("fsdp_distributed.py", 2, *FP16, *a),

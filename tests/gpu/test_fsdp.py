@@ -1,5 +1,6 @@
 """fsdp_distributed.py on the GPU: NCCL, the bf16 and fp16 precision policies (BatchNorm kept in fp32 groups,
-ShardedGradScaler for fp16), fused AdamW on sharded parameters, SyncBatchNorm, a sharded checkpoint written from the
+GradScaler on the sharded gradients for fp16), fused AdamW and foreach SGD on sharded parameters, a ViT's flash
+attention on ranks of uneven validation batches, SyncBatchNorm, a sharded checkpoint written from the
 GPU that resumes bit for bit after SIGTERM, full weights that distributed.py evaluates alike; on two GPUs, the
 weights of distributed.py. On the CPU (GPU_SUITE_ON_CPU=1): gloo, bf16 for fp16."""
 import re
@@ -32,7 +33,7 @@ def fsdp_reference(image_data, tmp_path_factory):
 def test_each_precision_policy_trains_resnet18_with_adamw(amp, image_data, tmp_path):
     """--amp: the weights gathered and computed in the half dtype, BatchNorm in fp32 groups of their own (its
     statistics would drift in a half dtype, and mixed dtypes fail), gradients reduced in fp32; fp16 through
-    ShardedGradScaler, whose scale the checkpoint keeps."""
+    GradScaler, whose scale the checkpoint keeps."""
     job = ok(fsdp(1, tmp_path, image_data, *FAST, "--opt", "adamw", "--lr", "0.002", "--amp", amp, "--epochs", "3"))
     assert f"device {DEVICE}, backend {NCCL}" in job.output
     assert (f", {amp} weights and compute, fp32 gradient reduction" in job.output) == (amp != "none")
@@ -73,3 +74,22 @@ def test_two_gpus_end_with_the_weights_of_distributed(opt, image_data, tmp_path)
     ok(fsdp(2, tmp_path / "fsdp", *args))
     assert_same_tensors(load(export(tmp_path / "fsdp"))["state_dict"],
                         load(tmp_path / "ddp" / "checkpoint.pth.tar")["state_dict"], exact=False, rtol=1e-3, atol=1e-5)
+
+
+@cuda_only
+@two_gpus
+def test_a_vit_under_bf16_evaluates_ranks_of_uneven_batches(image_data, tmp_path):
+    """-b 4: rank 0 has 26 validation batches, rank 1 25 and one forward (a collective) more, on one input: CUDA's
+    flash attention, which a ViT under --amp runs, rejects a batch of 0 rows (pytorch/pytorch#133780)."""
+    ok(fsdp(2, tmp_path, image_data, *FAST, "-a", "vit_b_16", "--crop-size", "224", "--val-resize", "224", "-b", "4",
+            "--amp", "bf16", "--epochs", "1"))
+    assert metrics(tmp_path)[0]["val_acc1"] > 0
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_the_default_sgd_and_adamw_train_with_fp16_clipping_and_channels_last(opt, image_data, tmp_path):
+    """Each crashed at its first step on a GPU: fused SGD over DTensors (no sharding rule), ShardedGradScaler's inf
+    check with fused AdamW once clipping unscaled, channels-last weights that fully_shard refused."""
+    ok(fsdp(1, tmp_path, image_data, *FAST, "--opt", opt, "--lr", "0.005" if opt == "sgd" else "0.002", "--amp", FP16,
+            "--clip-grad-norm", "1", "--channels-last", "--epochs", "2"))
+    assert_trains(tmp_path, 2)
