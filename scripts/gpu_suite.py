@@ -14,6 +14,7 @@ group has its own --basetemp and its own block of ports (TEST_PORT_BLOCK: tests/
 OMP_NUM_THREADS is the cores divided by the jobs. A failed group's log is printed when it ends; the last line
 counts every case: "test_gpu: N passed, M failed, K skipped in X s", the wall time since test_gpu.sh started. Exit 0
 only when no case failed and every case ran."""
+import json
 import os
 import re
 import shutil
@@ -22,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def parse(argv):
     """This script's own options, and the rest for pytest: (options, pytest arguments, test paths)."""
     cores = len(os.sched_getaffinity(0))
     options = {"jobs": os.environ.get("GPU_SUITE_JOBS") or max(1, min(8, cores // 2)), "shard": "1/1",
-               "time_limit": os.environ.get("GPU_SUITE_TIME_LIMIT") or 0, "list": False, "cores": cores}
+               "time_limit": os.environ.get("GPU_SUITE_TIME_LIMIT") or 0, "list": False}
     rest, paths = [], []
     args = iter(argv)
     for arg in args:
@@ -120,24 +120,27 @@ class Group:
     def __init__(self, number, cases, folder):
         self.number, self.cases, self.cost = number, cases, sum(map(cost, cases))
         self.log, self.basetemp = folder / f"group{number}.log", folder / f"group{number}"
-        self.junit = folder / f"group{number}.xml"
+        self.results = folder / f"group{number}.results"
         self.proc = self.slot = self.started = self.interrupted = None
         self.counts = {}
 
     def start(self, slot, pytest_args, env):
         self.slot, self.started = slot, time.time()
-        env = {**env, "TEST_PORT_BLOCK": str(slot)}
-        cmd = [sys.executable, "-m", "pytest", "-rfEs", *pytest_args, "--basetemp", self.basetemp,
-               "--junitxml", self.junit, *self.cases]
+        path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), env.get("PYTHONPATH")) if p)
+        env = {**env, "TEST_PORT_BLOCK": str(slot), "GPU_SUITE_RESULTS": str(self.results), "PYTHONPATH": path}
+        cmd = [sys.executable, "-m", "pytest", "-p", Path(__file__).stem, "-rfEs", *pytest_args,
+               "--basetemp", self.basetemp, *self.cases]
         with open(self.log, "w") as log:  # in a session of its own: a Ctrl-C reaches it once, from run()
             self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
-    def interrupt(self):
-        """SIGINT, as Ctrl-C: pytest stops and its fixtures end the launches of the case it was in."""
-        if self.proc.poll() is None and not self.interrupted:
-            self.interrupted = time.time()
-            self.proc.send_signal(signal.SIGINT)
+    def interrupt(self, grace=GRACE):
+        """SIGINT, as Ctrl-C: pytest stops and its fixtures end the launches of the case it was in; after `grace`
+        seconds, SIGKILL (and kill_leftovers those launches)."""
+        if self.proc.poll() is None:
+            if not self.interrupted:
+                self.proc.send_signal(signal.SIGINT)
+            self.interrupted = min(self.interrupted or time.time(), time.time() - GRACE + grace)
 
     def check(self):
         """True once it has ended (killed if it outlives its grace after an interrupt)."""
@@ -147,7 +150,7 @@ class Group:
                 self.proc.wait()
             else:
                 return False
-        self.counts = results(self.junit, len(self.cases))
+        self.counts = results(self.results, len(self.cases))
         kill_leftovers(self.proc.pid)
         return True
 
@@ -162,17 +165,29 @@ class Group:
                 f"{describe(self.counts)}{took}")
 
 
-def results(junit, cases):
-    """Passed, failed (errors included), skipped and not run, from a group's JUnit XML."""
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
-    try:
-        testcases = list(ElementTree.parse(junit).iter("testcase"))
-    except (OSError, ElementTree.ParseError):
-        testcases = []
-    for testcase in testcases:
-        kinds = {child.tag for child in testcase}
-        counts["failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds else "passed"] += 1
-    counts["not run"] = max(0, cases - len(testcases))
+def pytest_runtest_logreport(report):
+    """(This file is also a pytest plugin, which each group loads: -p gpu_suite.) Each phase of a case, as one line
+    of GPU_SUITE_RESULTS."""
+    with open(os.environ["GPU_SUITE_RESULTS"], "a") as results:
+        results.write(json.dumps([report.nodeid, report.when, report.outcome]) + "\n")
+
+
+def results(path, cases):
+    """A group's cases passed, failed (errors in setup or teardown included), skipped, and not run (or stopped
+    before their end: an interrupted case has no report of its call)."""
+    phases = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            case, when, outcome = json.loads(line)
+            phases.setdefault(case, {})[when] = outcome
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "not run": cases - len(phases)}
+    for outcomes in phases.values():
+        if "failed" in outcomes.values():
+            counts["failed"] += 1
+        elif "skipped" in outcomes.values():
+            counts["skipped"] += 1
+        else:
+            counts["passed" if outcomes.get("call") == "passed" else "not run"] += 1
     return counts
 
 
@@ -198,14 +213,15 @@ def run(groups, jobs, pytest_args, time_limit, started):
     threads = max(1, len(os.sched_getaffinity(0)) // jobs)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     pending, running, slots, stopped = sorted(groups, key=lambda g: -g.cost), [], list(range(jobs)), ""
-    first_fail = exits_first(pytest_args)
+    first_fail, signals = exits_first(pytest_args), []
 
-    def stop(signum, frame):
+    def stop(signum, frame):  # the first signal interrupts the groups, a second one kills them
         nonlocal stopped
         stopped = stopped or f"stopped by signal {signum}"
+        signals.append(signum)
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while pending or running:
+        while running or pending and not stopped:
             if time_limit and time.time() - started > time_limit:
                 stopped = stopped or f"--time-limit {time_limit:.0f} s reached"
             while pending and slots and not stopped:
@@ -214,7 +230,7 @@ def run(groups, jobs, pytest_args, time_limit, started):
                 running.append(group)
             if stopped:
                 for group in running:
-                    group.interrupt()
+                    group.interrupt(grace=0 if len(signals) > 1 else GRACE)
             time.sleep(0.2)
             for group in [g for g in running if g.check()]:
                 running.remove(group)
