@@ -9,11 +9,11 @@ with 16 cores. scripts/test_gpu.sh checks the machine, then runs this with the s
 
 It collects the cases once, cuts them (in collection order) into about three groups per job of about equal guessed
 cost, and runs the groups as separate pytest processes, at most --jobs at a time, the costliest first. The reference
-runs that several cases compare with are made once for all of them (GPU_SUITE_SHARED: tests/gpu/conftest.py), each
-group has its own --basetemp and its own block of ports (TEST_PORT_BLOCK: tests/conftest.py's free_port), and
-OMP_NUM_THREADS is the cores divided by the jobs. A failed group's log is printed when it ends; the last line
-counts every case: "test_gpu: N passed, M failed, K skipped in X s", the wall time since test_gpu.sh started. Exit 0
-only when no case failed and every case ran."""
+runs that several cases compare with are made once for all of them (GPU_SUITE_SHARED: tests/gpu/harness.py's
+made_once), each group has its own --basetemp and its own block of ports (TEST_PORT_BLOCK: tests/conftest.py's
+free_port), and OMP_NUM_THREADS is the cores divided by the jobs. A failed group's log is printed when it ends; the
+last line counts every case: "test_gpu: N passed, M failed, K skipped in X s", the wall time since test_gpu.sh
+started. Exit 0 only when no case failed and every case ran."""
 import json
 import os
 import re
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COSTS = [(r"test_models\.py", 4), (r"test_compile_on_the_gpu", 150), (r"gives_the_bits|cuda_tensors_are_saved", 2),
          (r"sigterm|cross_device|shared_gpu|multi_gpu", 30), (r"", 15)]
 GROUPS_PER_JOB = 3  # more groups than jobs: a slow group then holds up one job, not the end of the run
-GRACE = 60  # seconds an interrupted group has to end its launches before it is killed
+GRACE = 30  # seconds an interrupted group has to end its launches before it is killed
 # pytest options whose value is the next argument (not a test path)
 VALUE_OPTIONS = {"-k", "-m", "-p", "-W", "-o", "-c", "--deselect", "--ignore", "--ignore-glob", "--basetemp",
                  "--junitxml", "--junit-xml", "--rootdir", "--maxfail", "--durations", "--confcutdir", "--timeout"}

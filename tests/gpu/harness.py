@@ -134,20 +134,26 @@ class Finished:
 def made_once(name, tmp_path_factory, make):
     """make(folder) -> job: a run that several tests compare with. Without GPU_SUITE_SHARED, made in a folder of
     this session; with it, in a folder the processes share, by the first that asks while the others wait on its
-    lock, and then read (its output: Finished). A run that failed leaves no output, so the next process that asks
-    makes it again (and its tests fail alike). Returns (job, folder)."""
+    lock, and then read (its output: Finished). A run that failed fails the tests of the others at once; one that
+    was interrupted is made again by the next that asks. Returns (job, folder)."""
     if not SHARED:
         folder = tmp_path_factory.mktemp(name)
         return make(folder), folder
-    folder = Path(SHARED) / name
-    with open(Path(SHARED) / f"{name}.lock", "w") as lock:
+    shared = Path(SHARED)
+    folder, output, failed = shared / name, shared / f"{name}.output", shared / f"{name}.failed"
+    with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes, or this process dies
-        output = Path(SHARED) / f"{name}.output"
+        if failed.exists():
+            pytest.fail(f"the run {name}, made by another process of the suite, failed there: {failed.read_text()}")
         if output.exists():
             return Finished(output.read_text()), folder
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
-        job = make(folder)
+        try:
+            job = make(folder)
+        except (Exception, pytest.fail.Exception) as e:
+            failed.write_text(f"{type(e).__name__}: {str(e)[-2000:]}")
+            raise
         output.write_text(getattr(job, "output", ""))
         return job, folder
 
