@@ -2,15 +2,21 @@
 # The GPU acceptance suite (tests/gpu): every script under its own launcher on this machine's NVIDIA GPUs, NCCL,
 # fp16/bf16, channels-last, SyncBatchNorm, two ranks on one GPU, checkpoints across devices, every torchvision
 # model. Runs with the Python on PATH (or $PYTHON) and the torch already installed there (torch >= 2.4 with
-# CUDA, torchvision, tensorboard, tqdm, pytest, psutil); it installs nothing. Arguments go to pytest.
+# CUDA, torchvision, tensorboard, tqdm, pytest, psutil); it installs nothing. scripts/gpu_suite.py runs the cases as
+# concurrent pytest processes (--jobs, default half the cores, at most 8) and ends with one line:
+# "test_gpu: N passed, M failed, K skipped in X s". Other arguments go to pytest.
 #
 #   bash scripts/test_gpu.sh                      # one GPU or more; cases for two GPUs skip on one
+#   bash scripts/test_gpu.sh --time-limit 540     # interrupt what still runs after 540 s, and count it "not run"
+#   bash scripts/test_gpu.sh --shard 1/2          # half of the cases (then --shard 2/2), e.g. one call each
+#   bash scripts/test_gpu.sh --jobs 1             # one pytest process
 #   bash scripts/test_gpu.sh -k resume -x         # pytest arguments pass through
 #   bash scripts/test_gpu.sh tests/gpu/test_models.py
 #   PYTHON=.venv/bin/python bash scripts/test_gpu.sh
 #   GPU_SUITE_ON_CPU=1 bash scripts/test_gpu.sh   # the suite's own code on the CPU (gloo, bf16; CUDA-only cases skip)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+GPU_SUITE_T0=$(date +%s.%N)  # the time printed at the end counts from here
 PYTHON=${PYTHON:-$(command -v python3 || command -v python || true)}
 if [ -z "$PYTHON" ]; then
     echo "test_gpu: no python3 or python on PATH: set PYTHON=/path/to/python (one with torch built for CUDA)" >&2
@@ -58,8 +64,4 @@ if [ $code -ne 0 ]; then
     exit 1
 fi
 echo "$status"
-paths=(tests/gpu)  # unless the arguments name tests themselves
-for arg in "$@"; do
-    case "$arg" in tests/*) paths=() ;; esac
-done
-GPU_SUITE=1 exec "$PYTHON" -m pytest -rs ${paths[@]+"${paths[@]}"} "$@"
+GPU_SUITE=1 GPU_SUITE_T0=$GPU_SUITE_T0 exec "$PYTHON" scripts/gpu_suite.py "$@"

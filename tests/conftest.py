@@ -166,10 +166,26 @@ def spawn(script, nprocs, *args, **kwargs):
     return python(script, "--nprocs", nprocs, *args, **kwargs)
 
 
+# Ports the kernel picks (bind to port 0; the local end of every outgoing connection) come from its ephemeral range
+# (32768-60999 on Linux), where another connection may take a port between free_port() and the job's bind. The
+# concurrent pytest processes of scripts/gpu_suite.py each take ports in turn from a block of their own below it.
+PORT_BLOCK = os.environ.get("TEST_PORT_BLOCK")
+PORT_BLOCK_SIZE = 200
+_next_port = itertools.count()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if PORT_BLOCK is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first = 20000 + int(PORT_BLOCK) * PORT_BLOCK_SIZE
+    for _ in range(PORT_BLOCK_SIZE):
+        port = first + next(_next_port) % PORT_BLOCK_SIZE
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORT_BLOCK_SIZE - 1} (TEST_PORT_BLOCK={PORT_BLOCK})")
 
 
 def error_lines(text):

@@ -1,12 +1,13 @@
-"""Fixtures of the GPU acceptance suite: the runs that several tests compare with, each made once."""
+"""Fixtures of the GPU acceptance suite: the runs that several tests compare with, each made once: once per pytest
+session, or, under scripts/gpu_suite.py (concurrent pytest processes), once for all of them."""
 import importlib
 
 import pytest
 import torch
 
-from conftest import EPOCHS, RESUME, ok, torchrun, two_nodes
+from conftest import EPOCHS, RESUME, make_image_folder, ok, torchrun, two_nodes
 
-from .harness import DISTRIBUTED, FP16, ON_CPU, UNET, args_of, launch, ok_all
+from .harness import DISTRIBUTED, FP16, ON_CPU, UNET, args_of, launch, made_once, ok_all
 
 def pytest_report_header(config):
     if ON_CPU:
@@ -31,6 +32,12 @@ def _cuda():
 
 
 @pytest.fixture(scope="session")
+def image_data(tmp_path_factory):
+    """The CPU suite's image folder (tests/conftest.py), the same one for every process of the suite."""
+    return made_once("imagefolder", tmp_path_factory, make_image_folder)[1]
+
+
+@pytest.fixture(scope="session")
 def uninterrupted_on_gpu(image_data, tmp_path_factory):
     """uninterrupted_on_gpu(script): that script's run of EPOCHS epochs, deterministic, one process on the first
     GPU under its own launcher; made once. (job, output folder)."""
@@ -38,9 +45,10 @@ def uninterrupted_on_gpu(image_data, tmp_path_factory):
 
     def run(script):
         if script not in runs:
-            out = tmp_path_factory.mktemp(f"uninterrupted_{script.split('.')[0]}")
             data = [] if script == UNET else [image_data]
-            runs[script] = ok(launch(script, *data, *args_of(script), "--epochs", EPOCHS, "--output-dir", out)), out
+            runs[script] = made_once(
+                f"uninterrupted_{script.split('.')[0]}", tmp_path_factory,
+                lambda out: ok(launch(script, *data, *args_of(script), "--epochs", EPOCHS, "--output-dir", out)))
         return runs[script]
 
     return run
@@ -56,15 +64,12 @@ def reference(uninterrupted_on_gpu):
 def shared_gpu_reference(image_data, tmp_path_factory):
     """distributed.py as two ranks sharing the first GPU (two torchrun agents, gloo over CUDA tensors),
     EPOCHS epochs, deterministic. (rank 0's job, output folder)."""
-    out = tmp_path_factory.mktemp("shared_gpu")
-    jobs = ok_all(two_nodes(DISTRIBUTED, image_data, *RESUME, "--epochs", EPOCHS, "--dist-backend", "gloo",
-                            "--output-dir", out))
-    return jobs[0], out
+    return made_once("shared_gpu", tmp_path_factory, lambda out: ok_all(two_nodes(
+        DISTRIBUTED, image_data, *RESUME, "--epochs", EPOCHS, "--dist-backend", "gloo", "--output-dir", out))[0])
 
 
 @pytest.fixture(scope="session")
 def fp16_reference(image_data, tmp_path_factory):
     """distributed.py --amp fp16 (bf16 on the CPU), one GPU, EPOCHS epochs, deterministic."""
-    out = tmp_path_factory.mktemp("fp16")
-    return ok(torchrun(DISTRIBUTED, 1, image_data, *RESUME, "--amp", FP16,
-                       "--epochs", EPOCHS, "--output-dir", out)), out
+    return made_once("fp16", tmp_path_factory, lambda out: ok(torchrun(
+        DISTRIBUTED, 1, image_data, *RESUME, "--amp", FP16, "--epochs", EPOCHS, "--output-dir", out)))

@@ -6,6 +6,7 @@ trains an epoch of the tiny images in a fraction of a second.
 GPU_SUITE_ON_CPU=1 runs the suite's code on the CPU where a case permits (gloo for NCCL, bf16 for fp16,
 2 processes for 2 GPUs); what only CUDA can do is skipped, saying so."""
 import contextlib
+import fcntl
 import functools
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -30,6 +32,7 @@ NCCL = "gloo" if ON_CPU else "nccl"  # the backend the scripts choose by default
 FP16 = "bf16" if ON_CPU else "fp16"  # --amp: float16 (and its GradScaler) needs CUDA; bfloat16 stands in on CPU
 HALF = "bfloat16" if ON_CPU else "float16"  # apex_distributed.py --half-dtype: likewise
 CUDA_ONLY = "GPU_SUITE_ON_CPU=1: needs CUDA"
+SHARED = os.environ.get("GPU_SUITE_SHARED")  # scripts/gpu_suite.py: a folder its concurrent pytest processes share
 cuda_only = pytest.mark.skipif(ON_CPU, reason=CUDA_ONLY)
 # several GPUs; on the CPU, as many processes stand in for them
 two_gpus = pytest.mark.skipif(not ON_CPU and GPUS < 2, reason=f"needs 2 GPUs, {GPUS} visible")
@@ -118,6 +121,41 @@ def spawn_nodes(*args, env=None):
     url = f"tcp://127.0.0.1:{free_port()}"
     return [spawn(SPAWN, 1, *args, "--world-size", 2, "--node-rank", node, "--dist-url", url, env=env)
             for node in (0, 1)]
+
+
+class Finished:
+    """What a test reads of a run that another pytest process made: its output."""
+    returncode = 0
+
+    def __init__(self, output):
+        self.output = output
+
+
+def made_once(name, tmp_path_factory, make):
+    """make(folder) -> job: a run that several tests compare with. Without GPU_SUITE_SHARED, made in a folder of
+    this session; with it, in a folder the processes share, by the first that asks while the others wait on its
+    lock, and then read (its output: Finished). A run that failed fails the tests of the others at once; one that
+    was interrupted is made again by the next that asks. Returns (job, folder)."""
+    if not SHARED:
+        folder = tmp_path_factory.mktemp(name)
+        return make(folder), folder
+    shared = Path(SHARED)
+    folder, output, failed = shared / name, shared / f"{name}.output", shared / f"{name}.failed"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes, or this process dies
+        if failed.exists():
+            pytest.fail(f"the run {name}, made by another process of the suite, failed there: {failed.read_text()}")
+        if output.exists():
+            return Finished(output.read_text()), folder
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        try:
+            job = make(folder)
+        except (Exception, pytest.fail.Exception) as e:
+            failed.write_text(f"{type(e).__name__}: {str(e)[-2000:]}")
+            raise
+        output.write_text(getattr(job, "output", ""))
+        return job, folder
 
 
 def finish_all(jobs, timeout=300):

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import EPOCHS, FAST, NO_BN, RESUME, assert_same_tensors, load, metrics, ok, torchrun
 
-from .harness import DEVICE, FP16, NCCL, ON_CPU, assert_trains, cuda_only, preempt, two_gpus, worker
+from .harness import DEVICE, FP16, NCCL, ON_CPU, assert_trains, cuda_only, made_once, preempt, two_gpus, worker
 
 FSDP = "fsdp_distributed.py"
 
@@ -25,8 +25,8 @@ def fsdp(nproc, out, *args):
 @pytest.fixture(scope="module")
 def fsdp_reference(image_data, tmp_path_factory):
     """One process on the first GPU, resnet18 (BatchNorm), AdamW, deterministic: (job, output folder)."""
-    out = tmp_path_factory.mktemp("fsdp_gpu")
-    return ok(fsdp(1, out, image_data, *RESUME, "--opt", "adamw", "--epochs", EPOCHS)), out
+    return made_once("fsdp_gpu", tmp_path_factory,
+                     lambda out: ok(fsdp(1, out, image_data, *RESUME, "--opt", "adamw", "--epochs", EPOCHS)))
 
 
 @pytest.mark.parametrize("amp", ["none", "bf16", FP16])

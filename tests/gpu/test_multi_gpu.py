@@ -6,16 +6,16 @@ from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, as
                       torchrun)
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HALF, NCCL, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
-                      assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, preempt, srun_tasks,
-                      two_gpus, worker)
+                      assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, made_once, preempt,
+                      srun_tasks, two_gpus, worker)
 
 pytestmark = two_gpus
 
 
 @pytest.fixture(scope="module")
 def two_gpu_reference(image_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("two_gpus")
-    return ok(torchrun(DISTRIBUTED, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", out)), out
+    return made_once("two_gpus", tmp_path_factory, lambda out: ok(
+        torchrun(DISTRIBUTED, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", out)))
 
 
 def test_torchrun_with_nccl_across_two_gpus_learns(two_gpu_reference):
