@@ -23,6 +23,7 @@ import contextlib
 import copy
 import ctypes
 import fcntl
+import importlib
 import json
 import math
 import multiprocessing
@@ -306,9 +307,9 @@ def main_worker(args, local_index=None):
     group = start_process_group(args, rank, world_size, device, log)
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))
     preemption = Preemption(group)
-    num_classes, local_batch = len(train_set.classes), args.batch_size // world_size
+    num_classes, local_batch = class_count(train_set), args.batch_size // world_size
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
-        f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val images")
+        f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples")
     set_tf32(args, device, log)
 
     train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
@@ -330,7 +331,7 @@ def main_worker(args, local_index=None):
         run.train_model = torch.compile(run.train_model)
 
     if args.benchmark:
-        benchmark(run, preemption, args, world_size, log)
+        benchmark(run, preemption, args, world_size, log, val_set)
         return None
     if args.evaluate:
         for name, evaluated in [("val", run.eval_model)] + ([("val ema", ema.module)] if ema else []):
@@ -610,7 +611,12 @@ class Preemption:
 def check_args(args):
     """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
     checked here, right after parsing, before any process waits for another."""
-    args.dummy = args.dummy or args.benchmark > 0  # a benchmark needs no dataset
+    if args.dummy and args.dataset:
+        raise UserError("--dummy and --dataset both name the data: give one of them")
+    if args.pretrained and ":" in args.arch:
+        raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own model: load "
+                        f"its weights inside {args.arch.split(':')[-1]}, or drop --pretrained")
+    args.dummy = args.dummy or (args.benchmark > 0 and not args.dataset)  # a benchmark needs no dataset
     args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
     args.lr = {"sgd": 0.1, "adamw": 0.001}[args.opt] if args.lr is None else args.lr
     if args.epochs == 0 and not (args.evaluate or args.benchmark):
@@ -633,10 +639,11 @@ def check_args(args):
 def check_and_load(args, world_size, device):
     """Everything that can fail on bad input, done before any process waits for another. Returns the
     datasets, the model (the same initial weights on every rank), the checkpoint's path and the checkpoint."""
-    if args.arch not in MODEL_NAMES:
+    if ":" in args.arch:
+        load_spec(args.arch, "--arch")  # an import that fails, before any data is read
+    elif args.arch not in MODEL_NAMES:
         raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
-                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)})")
-    check_model(args)
+                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)}), or your own as MODULE:FUNCTION")
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -644,50 +651,139 @@ def check_and_load(args, world_size, device):
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
     check_launch_args(args, world_size, device)
-    if not args.dummy and not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
-    for split in () if args.dummy else ("train", "val"):
-        if not os.path.isdir(os.path.join(args.data, split)):
-            raise UserError(f"{os.path.join(args.data, split)} not found: DIR must hold train/ and val/, "
-                            f"one folder per class")
     ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path, args.arch) if ckpt_path else None
-    train_set, val_set = build_datasets(args)
+    train_set, val_set, num_classes, example = check_datasets(build_datasets(args), args)
     if len(train_set) < args.batch_size and not args.evaluate:
-        raise UserError(f"{len(train_set)} training images are fewer than one global batch of {args.batch_size}: "
+        raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
                         f"lower -b")
+    check_model(args, num_classes, example)
     set_seed(args.seed)
-    model = build_model(args, len(train_set.classes))
+    model = build_model(args, num_classes)
     if ckpt:
         check_fit(ckpt_path, ckpt, model, args)
     return train_set, val_set, model, ckpt_path, ckpt
 
 
-def check_model(args):
-    """Refuses, in one line and before any data is read, options the model does not take and a --crop-size it
-    cannot train at. One training forward pass of the model built on the meta device (shapes without memory or
-    arithmetic: 0.01-0.8 s) tells whether --crop-size fits; only when it does not, more passes find the size to
-    name: the only one a model built for one image size takes (vit_*, maxvit_t), or the smallest one the others
-    take (inception_v3 75, alexnet 63, vgg and convnext 32, densenet 29, ...)."""
+def load_spec(spec, flag):
+    """--arch or --dataset MODULE:FUNCTION: the function, imported from the current directory or PYTHONPATH."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name.isidentifier():
+        raise UserError(f"{flag} {spec!r}: give MODULE:FUNCTION, e.g. mymodels:tiny_cnn")
+    if os.getcwd() not in sys.path:  # `python script.py` puts the script's folder on the path, not the current one
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # not found, or its own code failing on import: the user's to fix either way
+        raise UserError(f"{flag} {spec}: cannot import {module_name} ({type(e).__name__}: {e}); put "
+                        f"{module_name.replace('.', '/')}.py in the current directory or on PYTHONPATH") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UserError(f"{flag} {spec}: {module_name} ({module.__file__}) has no function {name}")
+    return function
+
+
+def call_spec(spec, flag, *args, **kwargs):
+    """What the MODULE:FUNCTION of --arch or --dataset returns; its failure is one line that names it."""
+    function = load_spec(spec, flag)
+    try:
+        return function(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:
+        called = ", ".join([*("args" for _ in args), *(f"{k}={v}" for k, v in kwargs.items())])
+        raise UserError(f"{flag} {spec}: {spec.split(':')[1]}({called}) failed ({type(e).__name__}: "
+                        f"{str(e).strip()[:200]})") from None
+
+
+def class_count(dataset):
+    """The number of classes of a dataset: its num_classes, else the length of its classes (ImageFolder's)."""
+    count = getattr(dataset, "num_classes", None)
+    return len(dataset.classes) if count is None and getattr(dataset, "classes", None) is not None else count
+
+
+def check_datasets(sets, args):
+    """Refuses in one line what build_datasets returned (--dataset's function's, or your edit's) if training cannot
+    take it: two map-style, non-empty datasets whose items are (input tensor, integer label), a number of classes
+    (class_count), uint8 inputs that are 3xHxW images. Reads only the first validation item, whose input it
+    returns with the datasets and the number of classes: check_model runs the model on its shape."""
+    source = f"--dataset {args.dataset}" if args.dataset else "build_datasets"
+    if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
+        raise UserError(f"{source} returned a {type(sets).__name__}, not a pair (train_set, val_set)")
+    for split, data in zip(("train", "val"), sets):
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise UserError(f"{source}: its {split} set, a {type(data).__name__}, is not a map-style dataset "
+                            f"(__len__ and __getitem__)")
+        if len(data) == 0:
+            raise UserError(f"{source}: its {split} set is empty")
+    num_classes = class_count(sets[0])
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise UserError(f"{source}: its train set has no number of classes: give it an attribute num_classes = N "
+                        f"(or classes, a list of N names), labels being 0 to N-1")
+    try:
+        item = sets[1][0]
+    except RankError:  # an unreadable image: the rank that reads it in evaluation says so
+        return (*sets, num_classes, None)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{source}: its val set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})") from None
+    if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
+        raise UserError(f"{source}: an item of its val set is {type(item).__name__} "
+                        f"{tuple(type(x).__name__ for x in item) if isinstance(item, (tuple, list)) else ''}, "
+                        f"not (input tensor, label)")
+    inputs, label = item
+    shape = "x".join(map(str, inputs.shape))
+    if inputs.dtype == torch.uint8 and (inputs.ndim != 3 or inputs.shape[0] != 3):
+        raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are RGB images "
+                        f"(3xHxW): give other data as float tensors")
+    label = label.item() if isinstance(label, torch.Tensor) and label.numel() == 1 else label
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_classes:
+        raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
+                        f"({num_classes - 1})")
+    return (*sets, num_classes, inputs)
+
+
+def check_model(args, num_classes=1000, example=None):
+    """Refuses, in one line and before any process waits for another, options the model does not take and inputs
+    it cannot train on: `example`, one input of the data (None: an image of --crop-size). One training forward
+    pass of the model built on the meta device (shapes without memory or arithmetic: 0.01-0.8 s) tells whether
+    the input fits and the logits are num_classes wide; only when a torchvision model (by name) fails on images,
+    more passes find the --crop-size to name: the only one a model built for one image size takes (vit_*,
+    maxvit_t), or the smallest one the others take (inception_v3 75, alexnet 63, vgg and convnext 32, ...).
+    Your own model (MODULE:FUNCTION, or your build_model) gets the first pass only."""
+    image = example is None or example.dtype == torch.uint8  # the Prefetcher makes uint8 images float
+    shape = (3, args.crop_size, args.crop_size) if example is None else tuple(example.shape)
+    dtype = torch.float32 if image else example.dtype
     try:
         with torch.device("meta"):
-            model = build_model(args, 1000, load_weights=False).train()
+            model = build_model(args, num_classes, load_weights=False).train()
     except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
         return  # they take any size
+    except UserError:
+        if ":" not in args.arch:
+            raise
+        return  # your function may need a real device to build: build_model says on the CPU if it fails there
 
-    def failure(size):
-        """Why a training forward pass of 2 images of size x size fails; None if it works."""
+    def failure(size=None):
+        """Why a training forward pass of 2 inputs (images of size x size) fails; None if it works."""
         try:
-            output = model(torch.empty(2, 3, size, size, device="meta"))
+            output = model(torch.empty(2, *(shape if size is None else (3, size, size)), dtype=dtype, device="meta"))
         except NotImplementedError:  # an operation the meta device lacks: no verdict
             return None
-        except (RuntimeError, AssertionError, ValueError) as e:  # shape checks
+        except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:  # shape checks
             return str(e).strip().splitlines()[-1][:200]
-        return None if isinstance(output, torch.Tensor) else f"it returns {type(output).__name__}, not logits"
+        if not isinstance(output, torch.Tensor):
+            return f"it returns {type(output).__name__}, not logits"
+        wide = "x".join(map(str, output.shape))
+        return None if tuple(output.shape) == (2, num_classes) else f"its logits are {wide}, not 2x{num_classes}"
 
-    reason = failure(args.crop_size)
+    reason = failure()
     if reason is None:
         return
+    if not (image and args.arch in MODEL_NAMES):
+        raise UserError(f"--arch {args.arch} does not take the data's inputs ({'x'.join(map(str, shape))} "
+                        f"{str(dtype).replace('torch.', '')}): {reason}")
     weights = torchvision.models.get_model_weights(args.arch).DEFAULT
     hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
     fits = next((size for size in hints if size and failure(size) is None), None)
@@ -706,11 +802,19 @@ def check_model(args):
 
 
 def build_model(args, num_classes, load_weights=True):
-    """A torchvision model for num_classes. --pretrained loads the default weights into every layer
-    whose shape fits: all of them for 1000 classes; all but the classifier otherwise (fine-tuning);
-    load_weights=False builds the model for them without loading them (check_model)."""
-    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
+    """The model: an nn.Module that maps a batch of the data's inputs (on the device; images normalized floats)
+    to num_classes logits. Edit this and build_datasets for your own model and data, nothing else.
+    --arch MODULE:FUNCTION: your FUNCTION(num_classes=N) (and dropout=X with --dropout). Else a torchvision
+    model: --pretrained loads the default weights into every layer whose shape fits: all of them for 1000
+    classes; all but the classifier otherwise (fine-tuning); load_weights=False builds the model for them
+    without loading them (check_model)."""
     options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
+    if ":" in args.arch:
+        model = call_spec(args.arch, "--arch", **options)
+        if not isinstance(model, torch.nn.Module):
+            raise UserError(f"--arch {args.arch} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
     if args.arch in ("googlenet", "inception_v3"):
         # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
         # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
@@ -1050,21 +1154,37 @@ def collate(samples):
     """The loaders' collate_fn: default_collate on the images' HxWxC views, so that each uint8 image is
     copied into the batch in the order it lies in memory (channels last, as decode_jpeg and the crop
     leave it) instead of transposed, about 4x cheaper. The batch is NxCxHxW with channels-last strides;
-    the Prefetcher puts it into the model's memory format on the device."""
+    the Prefetcher puts it into the model's memory format on the device. Other inputs: default_collate."""
+    if samples[0][0].dtype != torch.uint8:
+        return default_collate(samples)
     images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
     return images.permute(0, 3, 1, 2), labels
 
 
 def build_datasets(args):
-    """Workers decode and crop; they hand uint8 CxHxW tensors on, normalization happens on the device."""
+    """(train set, validation set): edit this and build_model for your own data and model, nothing else.
+    Map-style datasets of (input, label): an integer label from 0 to N-1, N the train set's num_classes (or
+    len(classes)); an input is a uint8 RGB image, 3xHxW, which the Prefetcher normalizes on the device, or a
+    tensor of any other dtype and shape, which reaches the model unchanged (check_datasets). Here: ImageFolder
+    or --dummy, whose workers decode and crop; --dataset MODULE:FUNCTION: FUNCTION(args), its uint8 images
+    cropped as ImageFolder's are (ImageCrops)."""
     train_tf = RandomResizedCropFlip(args.crop_size)
     val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
+    if args.dataset:
+        sets = call_spec(args.dataset, "--dataset", args)
+        if isinstance(sets, (tuple, list)) and len(sets) == 2 and all(hasattr(d, "__getitem__") for d in sets):
+            sets = [ImageCrops(data, tf) for data, tf in zip(sets, (train_tf, val_tf))]
+        return sets
     if args.dummy:
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),
                 SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))
+    if not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
     sets = []
     for split, tf in (("train", train_tf), ("val", val_tf)):
         root = os.path.join(args.data, split)
+        if not os.path.isdir(root):
+            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
         try:
             sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
         except FileNotFoundError as e:
@@ -1072,6 +1192,22 @@ def build_datasets(args):
     if sets[0].classes != sets[1].classes:
         raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")
     return sets
+
+
+class ImageCrops(Dataset):
+    """A --dataset's set, its uint8 images cropped by `transform` (--crop-size, as ImageFolder's); any other input
+    passes unchanged. Its number of classes is the dataset's."""
+
+    def __init__(self, dataset, transform):
+        self.dataset, self.transform, self.num_classes = dataset, transform, class_count(dataset)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        inputs, label = self.dataset[index]
+        fits = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8 and inputs.ndim == 3
+        return (self.transform(inputs) if fits else inputs), label
 
 
 def build_loaders(args, train_set, val_set, rank, world_size, device):
@@ -1158,8 +1294,8 @@ class ShardSampler(Sampler):
 
 class Prefetcher:
     """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side CUDA
-    stream on GPU). On the device the uint8 batch takes the model's memory format and becomes
-    normalized float, exactly once."""
+    stream on GPU). On the device a uint8 batch of images takes the model's memory format and becomes
+    normalized float, exactly once; inputs of any other dtype are only moved (your data's own business)."""
 
     def __init__(self, loader, device, channels_last=False):
         self.loader, self.device = loader, device
@@ -1176,9 +1312,11 @@ class Prefetcher:
     def _to_device(self, batch):
         images, target = batch
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
-            images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+            image = images.dtype == torch.uint8
+            images = images.to(self.device, non_blocking=True)
             target = target.to(self.device, non_blocking=True)
-            images = images.float().sub_(self.mean).div_(self.std)  # keeps the memory format
+            if image:
+                images = images.contiguous(memory_format=self.memory_format).float().sub_(self.mean).div_(self.std)
         return images, target
 
     def __iter__(self):
@@ -1244,12 +1382,17 @@ def write_epoch(row, writer, output_dir):
     writer.flush()
 
 
-def benchmark(run, preemption, args, world_size, log):
+def benchmark(run, preemption, args, world_size, log, val_set):
     """--benchmark: the model, the step and the all-reduce without the input pipeline, on synthetic batches
-    already on the device: this hardware's training speed."""
+    already on the device: this hardware's training speed. Images of --crop-size; with your own data (--dataset,
+    inputs other than uint8 images), the first validation input repeated."""
     device, local_batch = next(run.model.parameters()).device, args.batch_size // world_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    images = torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device)
+    example = val_set[0][0] if args.dataset else None
+    if example is None or example.dtype == torch.uint8:
+        images = torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device)
+    else:
+        images = example.to(device).expand(local_batch, *example.shape).clone()
     batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
     for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
         started = time.time()
@@ -1409,7 +1552,7 @@ def load_checkpoint(path, arch):
     ckpt = read_checkpoint(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
-    if ckpt.get("arch", arch) not in MODEL_NAMES:
+    if ckpt.get("arch", arch) not in MODEL_NAMES and ":" not in str(ckpt.get("arch")):
         raise UserError(f"{path} holds a {ckpt['arch']} model, not a torchvision classification model: it is "
                         f"another script's checkpoint; resume it with that script")
     if ckpt.get("arch", arch) != arch:
@@ -1445,7 +1588,8 @@ def check_fit(path, ckpt, model, args):
     wrong = [(key, tuple(saved[key].shape), tuple(own[key].shape)) for key in own
              if saved[key].shape != own[key].shape]
     if wrong and all(there[1:] == here[1:] and there[0] != here[0] for _, there, here in wrong):
-        raise UserError(f"{path} has {wrong[0][1][0]} classes, {args.data or '--dummy'} has {wrong[0][2][0]}: "
+        data = args.dataset or args.data or "--dummy"
+        raise UserError(f"{path} has {wrong[0][1][0]} classes, {data} has {wrong[0][2][0]}: "
                         f"resume with the data it was trained on, or train without --resume")
     if wrong:
         key, there, here = wrong[0]

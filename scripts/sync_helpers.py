@@ -25,11 +25,12 @@ INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process
 FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"]
 # the appendix
 APPENDIX = ["UserError", "RankError", "Parser", "number", "stopped_answering", "exit_bad_input",
-            "join_process_group", "die_with_parent", "Preemption", "check_args", "check_and_load", "check_model",
+            "join_process_group", "die_with_parent", "Preemption", "check_args", "check_and_load",
+            "load_spec", "call_spec", "class_count", "check_datasets", "check_model",
             "build_model", "param_groups", "new_optimizer", "lr_factor", "forward_backward", "optimizer_step",
             "ModelEMA", "set_tf32", "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD",
             "SyntheticImages",
-            "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "build_loaders",
+            "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "ImageCrops", "build_loaders",
             "start_loader_worker", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
             "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "memory_use",
             "CHECKPOINT", "set_seed",
@@ -59,7 +60,8 @@ OWN = {
 }
 # shared names a sibling has no use for: no process group of torch.distributed's
 NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
-               "unet3d_apex.py": {"check_fit", "check_model", "build_model", "param_groups", "new_optimizer",
+               "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
+                                  "check_model", "build_model", "param_groups", "new_optimizer",
                                   "lr_factor", "forward_backward", "optimizer_step", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
                                   "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image",
