@@ -1,0 +1,258 @@
+"""Your own data and model, the way a user brings them: a script copied alone into a project folder next to the
+user's module, run with --arch/--dataset MODULE:FUNCTION (or with build_model and build_datasets edited), under
+torchrun, spawn and FSDP, preempted and resumed, evaluated; bad input as one clear line."""
+import re
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import (assert_preempted, assert_same_run, load, metrics, ok, python, spawn, torchrun)
+from test_bad_input import assert_one_clear_line
+
+# the user's module: nothing from torchvision, no Sequential or ModuleList (FSDP shards it by its layers)
+USER_MODULE = '''
+import time
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Table(Dataset):
+    """Rows of 20 float features, 3 classes, each row slow to read (as from a disk: preemption lands mid-epoch)."""
+
+    def __init__(self, size, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.arange(size) % 3
+        self.rows = torch.randn(size, 20, generator=g) + nn.functional.one_hot(self.labels, 20).float() * 3
+        self.num_classes = 3
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        time.sleep(0.005)
+        return self.rows[index], int(self.labels[index])
+
+
+class MLP(nn.Module):
+    def __init__(self, num_classes, features=20):
+        super().__init__()
+        self.hidden = nn.Linear(features, 32)
+        self.out = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def table(args):
+    return Table(192, 0), Table(40, 1)
+
+
+def mlp(num_classes):
+    return MLP(num_classes)
+
+
+def wide_mlp(num_classes):
+    return MLP(num_classes, features=30)
+
+
+class Images(Dataset):
+    """uint8 RGB images from an .npz: the repository crops and normalizes them."""
+
+    def __init__(self, path, split):
+        data = np.load(path)
+        self.images, self.labels = torch.from_numpy(data[f"{split}_x"]), torch.from_numpy(data[f"{split}_y"])
+        self.classes = list(data["classes"])
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.images[index], int(self.labels[index])
+
+
+def npz_images(args):
+    return Images(args.data, "train"), Images(args.data, "val")
+
+
+class CNN(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def cnn(num_classes):
+    return CNN(num_classes)
+
+
+# what goes wrong
+def raises(args):
+    raise ValueError("no data here")
+
+
+def not_a_pair(args):
+    return Table(192, 0)
+
+
+def not_a_module(num_classes):
+    return {"weights": None}
+
+
+def short_rows(args):
+    train, val = table(args)
+    val.rows = val.rows[:, :7]
+    return train, val
+
+
+def no_classes(args):
+    train, val = table(args)
+    del train.num_classes
+    return train, val
+
+
+def grey_images(args):
+    train, val = table(args)
+    val.rows = torch.zeros(40, 8, 8, dtype=torch.uint8)
+    return train, val
+'''
+TABLE = ["--dataset", "mine:table", "-a", "mine:mlp", "-b", "16", "--lr", "0.05", "-j", "2", "-p", "1",
+         "--deterministic"]
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A user's project: their module, their .npz of images, and a copy of each script they took."""
+    folder = tmp_path_factory.mktemp("project")
+    (folder / "mine.py").write_text(USER_MODULE)
+    rng = np.random.default_rng(0)
+    colours = np.array([[220, 40, 40], [40, 200, 60], [50, 70, 230]], dtype=np.float32)
+    arrays = {}
+    for split, size in (("train", 48), ("val", 20)):
+        labels = np.arange(size) % 3
+        pixels = colours[labels][:, :, None, None] + rng.normal(0, 30, (size, 3, 12, 12))
+        arrays.update({f"{split}_x": pixels.clip(0, 255).astype(np.uint8), f"{split}_y": labels})
+    np.savez(folder / "images.npz", classes=np.array(["red", "green", "blue"]), **arrays)
+    for script in ("distributed.py", "multiprocessing_distributed.py", "fsdp_distributed.py"):
+        shutil.copy(script, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(project, tmp_path_factory):
+    """torchrun, 2 processes with 2 loader workers each, uninterrupted: what the other runs must equal."""
+    out = tmp_path_factory.mktemp("own_reference")
+    ok(torchrun(project / "distributed.py", 2, *TABLE, "--epochs", EPOCHS, "--output-dir", out, cwd=project))
+    return out
+
+
+def test_your_model_and_data_train_and_the_checkpoint_names_them(reference):
+    rows = metrics(reference)
+    assert [r["epoch"] for r in rows] == [0, 1] and rows[-1]["val_acc1"] >= 70, rows  # 3 classes: chance 33%
+    ckpt = load(reference / "checkpoint.pth.tar")
+    assert ckpt["arch"] == "mine:mlp" and ckpt["args"]["dataset"] == "mine:table"
+    assert set(ckpt["state_dict"]) == {"hidden.weight", "hidden.bias", "out.weight", "out.bias"}
+
+
+def test_sigterm_to_torchrun_mid_epoch_then_resume_auto_is_the_uninterrupted_run(project, reference, tmp_path):
+    job = torchrun(project / "distributed.py", 2, *TABLE, "--epochs", EPOCHS, "--output-dir", tmp_path, cwd=project)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    job.proc.send_signal(signal.SIGTERM)
+    step = assert_preempted(job, tmp_path, launcher_stopped=True)
+    resumed = ok(torchrun(project / "distributed.py", 2, *TABLE, "--epochs", EPOCHS, "--resume", "auto",
+                          "--output-dir", tmp_path, cwd=project))
+    assert f"(epoch 0, step {step})" in resumed.output
+    assert_same_run(tmp_path, reference, epochs=EPOCHS)
+
+
+def test_evaluate_gives_the_last_epochs_accuracy(project, reference, tmp_path):
+    job = ok(python(project / "distributed.py", *TABLE, "-e", "--resume", reference / "checkpoint.pth.tar",
+                    "--output-dir", tmp_path, cwd=project))
+    acc1 = float(re.search(r"^val: loss \S+ acc1 (\S+)", job.output, re.M)[1])
+    assert acc1 == pytest.approx(metrics(reference)[-1]["val_acc1"], abs=1e-3)
+
+
+@pytest.mark.parametrize("script", ["multiprocessing_distributed.py", "fsdp_distributed.py"])
+def test_other_launchers_take_the_same_model(script, project, reference, tmp_path):
+    """spawn equals torchrun bit for bit; FSDP shards a model without Sequential or ModuleList by its layers."""
+    args = [*TABLE, "--epochs", EPOCHS, "--output-dir", tmp_path]
+    if script == "fsdp_distributed.py":
+        job = ok(torchrun(project / script, 2, *args, cwd=project))
+        assert "FSDP: 2 blocks and the root sharded" in job.output, job.output
+        for ours, theirs in zip(metrics(tmp_path), metrics(reference)):
+            assert ours["val_acc1"] == pytest.approx(theirs["val_acc1"], abs=5) and ours["val_acc1"] >= 70
+    else:
+        ok(spawn(project / script, 2, *args, cwd=project))
+        assert_same_run(tmp_path, reference, epochs=EPOCHS)
+
+
+def test_npz_images_through_the_crop_with_ema_accumulation_and_benchmark(project, tmp_path):
+    """uint8 images of the user's dataset are cropped (--crop-size) and normalized like ImageFolder's."""
+    images = ["--dataset", "mine:npz_images", "images.npz", "-a", "mine:cnn", "--crop-size", "10", "--val-resize", "12",
+              "-b", "8", "--lr", "0.05", "-j", "0"]
+    ok(python(project / "distributed.py", *images, "--epochs", "1", "--model-ema", "--grad-accum-steps", "2",
+              "--output-dir", tmp_path, cwd=project))
+    assert "val_acc1_ema" in metrics(tmp_path)[0] and load(tmp_path / "checkpoint.pth.tar")["arch"] == "mine:cnn"
+    job = ok(python(project / "distributed.py", *TABLE, "-j", "0", "--benchmark", "2", "--output-dir", tmp_path / "b",
+                    cwd=project))
+    assert re.search(r"benchmark: \d+ img/s over 2 steps", job.output), job.output
+
+
+def edit(source, name, body):
+    """The script with function `name` replaced: what a user who edits the copy does."""
+    start = source.index(f"\ndef {name}(")
+    end = source.index("\n\n\n", start + 1)
+    return source[:start] + f"\ndef {name}(" + body + source[end:]
+
+
+def test_or_edit_build_model_and_build_datasets_only(project, tmp_path):
+    source = (project / "distributed.py").read_text()
+    source = edit(source, "build_model", "args, num_classes, load_weights=True):\n    return mine.MLP(num_classes)")
+    source = edit(source, "build_datasets", "args):\n    return mine.Table(192, 0), mine.Table(40, 1)")
+    (tmp_path / "mine.py").write_text(USER_MODULE)
+    (tmp_path / "train.py").write_text(source.replace("\nimport torch\n", "\nimport mine\nimport torch\n", 1))
+    ok(python(tmp_path / "train.py", "-b", "16", "--lr", "0.05", "-j", "0", "--epochs", "1", "--output-dir",
+              tmp_path / "out", cwd=tmp_path))
+    assert metrics(tmp_path / "out")[0]["val_acc1"] >= 70
+
+
+# name: (arguments, what the one error line must say)
+BAD = {
+    "a module that does not import": (["--dataset", "mine:table", "-a", "nowhere:mlp"],
+                                      r"--arch nowhere:mlp: cannot import nowhere \(ModuleNotFoundError.*PYTHONPATH"),
+    "no such function": (["--dataset", "mine:table", "-a", "mine:nothing"], r"mine \(.*mine.py\) has no function"),
+    "a function that raises": (["--dataset", "mine:raises", "-a", "mine:mlp"],
+                               r"--dataset mine:raises: raises\(args\) failed \(ValueError: no data here\)"),
+    "not a module": (["--dataset", "mine:table", "-a", "mine:not_a_module"],
+                     r"--arch mine:not_a_module returned a dict, not a torch.nn.Module"),
+    "not a pair": (["--dataset", "mine:not_a_pair", "-a", "mine:mlp"],
+                   r"--dataset mine:not_a_pair returned a Table, not a pair \(train_set, val_set\)"),
+    "inputs of the wrong shape": (["--dataset", "mine:short_rows", "-a", "mine:mlp"],
+                                  r"--arch mine:mlp does not take the data's inputs \(7 float32\): "),
+    "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
+                                        r"an input is a uint8 tensor of shape 8x8; uint8 inputs are RGB images"),
+    "no number of classes": (["--dataset", "mine:no_classes", "-a", "mine:mlp"],
+                             r"its train set has no number of classes: give it an attribute num_classes"),
+    "an image model on a table": (["--dataset", "mine:table"], r"--arch resnet18 does not take the data's inputs"),
+    "pretrained weights for your model": (["--dataset", "mine:table", "-a", "mine:mlp", "--pretrained"],
+                                          r"--pretrained loads torchvision's weights.*load its weights inside mlp"),
+    "a checkpoint of another model": (["--dataset", "mine:table", "-a", "mine:wide_mlp", "--resume", "REFERENCE"],
+                                      r"holds a mine:mlp model, not mine:wide_mlp: pass -a mine:mlp"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_gets_one_clear_line(name, project, reference, tmp_path):
+    args, expected = BAD[name]
+    args = [str(reference / "checkpoint.pth.tar") if a == "REFERENCE" else a for a in args]
+    job = python(project / "distributed.py", *args, "-b", "16", "-j", "0", "--output-dir", tmp_path,
+                 cwd=project).finish(120)
+    assert_one_clear_line(job, expected)
