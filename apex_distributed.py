@@ -64,11 +64,15 @@ MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n")[0])
     add = p.add_argument
-    add("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (not needed with --dummy)")
+    add("data", nargs="?", metavar="DIR",
+        help="ImageFolder root with train/ and val/ (not needed with --dummy; with --dataset, its function's)")
+    add("--dataset", default=None, metavar="MODULE:FUNCTION",
+        help="your own data: FUNCTION(args) returns (train_set, val_set) (README: Your own data and model)")
     add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
     add("--dummy-size", type=number(int, 1), default=1280, metavar="N",
         help="with --dummy: training images (validation: N/4)")
-    add("-a", "--arch", default="resnet18", metavar="ARCH", help="any torchvision classification model")
+    add("-a", "--arch", default="resnet18", metavar="ARCH",
+        help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
     add("--dropout", type=number(float, 0, below=1), default=None,
         help="dropout rate for models that take one (0 turns it off)")
