@@ -54,7 +54,7 @@ def gpu(svg, x, y, k, w=70, h=30, label=None):
 
 
 def data_vs_model_parallel():
-    svg = Svg(760, 300)
+    svg = Svg(760, 330)
     svg.text(190, 24, "Data parallel: a full copy of the model per GPU", weight="bold")
     svg.text(570, 24, "Model parallel: the model split over GPUs", weight="bold")
     for k in range(3):  # data parallel: each GPU the whole model, its own slice of the batch
@@ -68,6 +68,8 @@ def data_vs_model_parallel():
     svg.path("M 50 212 C 120 248, 250 248, 310 212", arrow=True)
     svg.path("M 310 212 C 250 262, 120 262, 50 212", arrow=True)
     svg.text(190, 280, "gradients are averaged (all-reduce) every step", size=12)
+    svg.text(190, 304, "FSDP (fsdp_distributed.py): data parallel too, each GPU", size=12, colour=GREY)
+    svg.text(190, 320, "holding a shard of the weights, gathered layer by layer", size=12, colour=GREY)
     for k in range(3):  # model parallel: one batch goes through the GPUs in turn
         x = 440 + k * 110
         gpu(svg, x + 5, 76, k)
@@ -78,7 +80,7 @@ def data_vs_model_parallel():
     svg.text(412, 132, "whole batch", size=11, colour=GREY)
     svg.line(392, 154, 448, 154, arrow=True)
     svg.text(570, 220, "activations go forward, their gradients back;", size=12)
-    svg.text(570, 238, "for models too big for one GPU (not shown in this repository)", size=12)
+    svg.text(570, 238, "pipeline or tensor parallel (not in this repository)", size=12)
     return svg
 
 
