@@ -11,7 +11,7 @@ from conftest import ROOT, import_script
 SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
            "horovod_distributed.py", "distributed_slurm_main.py", "unet3d_apex.py"]
 # values checked where they are used, against what they name: a folder, a file, a model, a backend, GPUs, a URL
-FREE_TEXT = {"data", "arch", "resume", "output_dir", "dist_backend", "dist_url", "gpus", "dist_file"}
+FREE_TEXT = {"data", "arch", "dataset", "resume", "output_dir", "dist_backend", "dist_url", "gpus", "dist_file"}
 
 
 @pytest.fixture(scope="module", params=SCRIPTS)

@@ -48,7 +48,7 @@ def test_every_kind_of_file_loads_as_rgb_like_pil(kind, script, tmp_path):
 def test_the_same_seed_gives_the_same_crop_and_label_as_the_pil_path(script, image_data):
     """Crops are cut from the decoded tensor here and from the PIL image there: the same boxes (the
     geometry depends only on the seed and the image size), resampled alike."""
-    args = argparse.Namespace(data=str(image_data), crop_size=24, val_resize=28, dummy=False)
+    args = argparse.Namespace(data=str(image_data), dataset=None, crop_size=24, val_resize=28, dummy=False)
     fast, _ = script.build_datasets(args)
     pil_loader = torchvision.datasets.ImageFolder(image_data / "train", fast.transform,
                                                   loader=lambda p: Image.open(p).convert("RGB"))
