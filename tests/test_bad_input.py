@@ -70,7 +70,7 @@ CASES = {
         2, lambda d, t: [d, "-b", "16", "--grad-accum-steps", "3"],
         r"--grad-accum-steps 3 must divide each process's batch 8 \(-b 16 / 2 processes\)"),
     "batch larger than the data": (1, lambda d, t: [d, "-b", "512"],
-                                   r"192 training images are fewer than one global batch of 512: lower -b"),
+                                   r"192 training samples are fewer than one global batch of 512: lower -b"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
                             r"--resume .*none.pth.tar: no such file"),
     "resume path unreadable": (1, lambda d, t: [d, "--resume", t],
