@@ -187,13 +187,15 @@ def describe_processes(args, world_size, device, group):
 
 
 def prepare_model(model, args, device, log):
-    """The model on this process's device, in the memory format asked for; with --sync-bn, BatchNorm layers
-    that compute their statistics over the whole global batch."""
+    """The model on this process's device; with --sync-bn, BatchNorm layers that compute their statistics over the
+    whole global batch. --channels-last leaves the weights contiguous (Horovod broadcasts and all-reduces contiguous
+    tensors only: a channels-last weight's gradient stopped the first step) and gives the model channels-last
+    inputs (the Prefetcher): convolutions follow their input's memory format."""
     if args.sync_bn and device.type == "cuda":
         model = convert_sync_batchnorm(model)
     elif args.sync_bn:
         log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
-    return model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    return model.to(device)
 
 
 def convert_sync_batchnorm(module):
