@@ -8,12 +8,16 @@ import torch
 
 from conftest import FAST, error_lines, import_script, spawn, torchrun
 from test_bad_input import broken_copy, first_train_image
+from test_horovod import horovodrun
 
 # how each launcher starts two processes, and finds the training process of a rank (not its loader workers)
 LAUNCHERS = {
     "torchrun": (lambda *args: torchrun("distributed.py", 2, *args), lambda job, rank: job.process_of_rank(rank)),
     "spawn": (lambda *args: spawn("multiprocessing_distributed.py", 2, *args), lambda job, rank: job.spawned()[rank]),
+    "horovodrun": (lambda *args: horovodrun(2, *args), lambda job, rank: job.process_of_rank(rank, "HOROVOD_RANK")),
 }
+# a launcher's own report of a failed worker: a traceback of its own, and exit code 1
+LAUNCHER_REPORTS = {"torchrun": "errors.ChildFailedError:", "horovodrun": "RuntimeError: Horovod detected that one"}
 # Horovod cannot tell a peer that ended from one that stopped answering: it says both
 PEER_ENDED = r"a peer ended(?: or stopped answering within --dist-timeout \S+)?, so this rank stops too \(.+\): "
 KILLED_WORKER = (r"a data loader worker \(pid {pid}\) was killed \(signal: Killed\), most likely by the out-of-memory "
@@ -21,23 +25,29 @@ KILLED_WORKER = (r"a data loader worker \(pid {pid}\) was killed \(signal: Kille
 
 
 def assert_cause_and_peer(job, launcher, cause):
-    """Exit code 2, the cause once and "a peer ended" once, nothing else: no traceback. torchrun adds its own report
-    of a failed worker (a traceback of the launcher's, ChildFailedError, exit code 1) naming the worker's code."""
+    """The cause once and "a peer ended" once, nothing else: no traceback, exit code 2. torchrun and horovodrun add
+    their own report of a failed worker (a traceback of the launcher's, exit code 1), torchrun's with its code."""
     job.finish(timeout=120)
-    errors = error_lines(job.output)
+    errors = error_lines(re.sub(r"^\[\d+\]<std\w+>:", "", job.output, flags=re.M))  # horovodrun's prefix
     assert len(errors) == 2, job.output
     assert sum(bool(re.search(cause, line)) for line in errors) == 1, job.output
     assert sum(bool(re.search(PEER_ENDED, line)) for line in errors) == 1, job.output
     tracebacks = job.output.count("Traceback (most recent call last)")
-    if launcher == "torchrun":
-        assert job.returncode == 1 and re.search(r"exitcode\s*: 2 ", job.output), job.output
-        assert tracebacks == job.output.count("errors.ChildFailedError:") == 1, job.output
+    if launcher in LAUNCHER_REPORTS:
+        assert job.returncode == 1 and tracebacks == job.output.count(LAUNCHER_REPORTS[launcher]) == 1, job.output
+        assert re.search(r"exitcode\s*: 2 |Exit code: 2\n", job.output), job.output  # the cause's code
     else:
         assert job.returncode == 2 and tracebacks == 0, job.output
 
 
+def needs(launcher):
+    if launcher == "horovodrun":
+        pytest.importorskip("horovod.torch")
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_file_that_is_not_an_image_read_by_a_loader_worker(launcher, image_data, tmp_path):
+    needs(launcher)
     data = broken_copy(image_data, tmp_path, lambda x: first_train_image(x).write_bytes(b"not an image"))
     job = LAUNCHERS[launcher][0](data, *FAST, "-j", "2", "--epochs", "1", "--output-dir", tmp_path / "out")
     assert_cause_and_peer(job, launcher, r"cannot read image .*class0/0000.JPEG .*replace or remove the file")
@@ -47,6 +57,7 @@ def test_a_file_that_is_not_an_image_read_by_a_loader_worker(launcher, image_dat
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_loader_worker_killed_by_the_out_of_memory_killer(launcher, image_data, tmp_path):
     """SIGKILL, as the kernel's out-of-memory killer sends it, to a loader worker of rank 1 mid-epoch."""
+    needs(launcher)
     start, rank_process = LAUNCHERS[launcher]
     job = start(image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "50", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
