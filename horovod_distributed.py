@@ -192,13 +192,15 @@ def describe_processes(args, world_size, device, group):
 
 
 def prepare_model(model, args, device, log):
-    """The model on this process's device, in the memory format asked for; with --sync-bn, BatchNorm layers
-    that compute their statistics over the whole global batch."""
+    """The model on this process's device; with --sync-bn, BatchNorm layers that compute their statistics over the
+    whole global batch. --channels-last leaves the weights contiguous (Horovod broadcasts and all-reduces contiguous
+    tensors only: a channels-last weight's gradient stopped the first step) and gives the model channels-last
+    inputs (the Prefetcher): convolutions follow their input's memory format."""
     if args.sync_bn and device.type == "cuda":
         model = convert_sync_batchnorm(model)
     elif args.sync_bn:
         log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
-    return model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    return model.to(device)
 
 
 def convert_sync_batchnorm(module):
@@ -334,19 +336,20 @@ def main_worker(args, local_index=None):
     if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
         run.train_model = torch.compile(run.train_model)
 
-    if args.benchmark:
-        benchmark(run, preemption, args, world_size, log, val_set)
-        return None
-    if args.evaluate:
-        for name, evaluated in [("val", run.eval_model)] + ([("val ema", ema.module)] if ema else []):
-            val = evaluate(evaluated, val_batches, amp_dtype)
-            log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
-                f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
-        return None
+    writer = None
+    try:  # from here on, a failure on any rank (a peer gone, a loader worker killed) is one line on each
+        if args.benchmark:
+            benchmark(run, preemption, args, world_size, log, val_set)
+            return None
+        if args.evaluate:
+            for name, evaluated in [("val", run.eval_model)] + ([("val ema", ema.module)] if ema else []):
+                val = evaluate(evaluated, val_batches, amp_dtype)
+                log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
+                    f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
+            return None
 
-    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
-    show_bar = rank == 0 and sys.stdout.isatty()
-    try:
+        writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
+        show_bar = rank == 0 and sys.stdout.isatty()
         while run.epoch < args.epochs:
             epoch, started = run.epoch, time.time()
             train_sampler.set_epoch(epoch)
@@ -381,8 +384,9 @@ def main_worker(args, local_index=None):
                 log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} after epoch {epoch}; "
                     f"continue with --resume auto")
                 return preemption.signum
-    except RuntimeError as e:  # a collective that gave up waiting for a rank
-        raise stopped_answering(e, args) from None
+    except Exception as e:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker again
+        raise explain_failure(e, args) from None
     finally:
         if writer:
             writer.close()
@@ -542,15 +546,60 @@ def number(kind, at_least=None, above=None, below=None):
     return convert
 
 
-def stopped_answering(error, args):
-    """What to raise for a RuntimeError out of training: a collective that timed out, since a rank stopped
-    answering (frozen, stuck in I/O, on a node gone quiet), becomes one line; any other error stays itself."""
-    if not any(words in str(error).lower() for words in ("timed out", "timeout")):
+# what gloo, NCCL and Horovod say when a peer is gone (gloo: "Connection closed by peer" and the socket errors;
+# NCCL: ncclRemoteError, or the communicator its watchdog aborted after one), and the classes they raise it as
+PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed",
+             "communicator was aborted", "remote process exited", "ncclremoteerror", "ncclsystemerror")
+PEER_GONE_TYPES = {"DistNetworkError", "DistBackendError", "HorovodInternalError"}  # by name: no import needed
+
+
+def explain_failure(error, args):
+    """What to raise for an error that ends training on this rank: a failure on some rank mid-run becomes one
+    line (RankError) on each rank that meets it, the cause on the rank where it happened, "a peer ended" on the
+    others. A collective that timed out (a rank stopped answering), one that lost its peer (gloo, NCCL, Horovod), a
+    DataLoader worker killed (the out-of-memory killer, mostly); any other error stays itself, traceback and all."""
+    if isinstance(error, UserError):
         return error
-    detail = str(error).strip().splitlines()[-1].split("] ")[-1][:100]  # without gloo's source location
-    return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
-                     f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
-                     f"--dist-timeout to notice sooner")
+    try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a closed pipe)
+        torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
+    except RuntimeError as killed:
+        error = killed
+    if not isinstance(error, RuntimeError):
+        return error
+    text = str(error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
+    if "DataLoader worker (pid" in text:  # torch/utils/data: "(pid 42) is killed by signal: Killed." and others
+        pids = text.split("DataLoader worker (pid", 1)[1].removeprefix("(s)").split(")", 1)[0].strip()
+        signal_name = text.split("killed by signal: ", 1)[1].split(".")[0] if "killed by signal: " in text else None
+        what = f"a data loader worker (pid {pids})"
+        if signal_name == "Killed":
+            return RankError(f"{what} was killed (signal: Killed), most likely by the out-of-memory killer: use "
+                             f"fewer -j/--workers, or give the job more memory")
+        if signal_name == "Bus error":
+            return RankError(f"{what} was killed (signal: Bus error), most likely out of shared memory: give the job "
+                             f"more (/dev/shm; docker run --shm-size), or use fewer -j/--workers")
+        ended = f"was killed (signal: {signal_name})" if signal_name else "exited unexpectedly"
+        return RankError(f"{what} {ended}: if the out-of-memory killer ended it (dmesg says so), use fewer "
+                         f"-j/--workers or give the job more memory; otherwise -j 0 shows the error in the training "
+                         f"process")
+    line = next((line for line in lines if any(words in line.lower() for words in PEER_GONE)), lines[-1])
+    if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
+        line = line.split(", ", 1)[-1]
+    detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
+    lowered = text.lower()
+    if any(words in lowered for words in ("timed out", "timeout", "timing out")):
+        return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
+                         f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
+                         f"--dist-timeout to notice sooner")
+    if "horovod has been shut down" in lowered:  # its background loop stopped: a peer ended, or timed out
+        return RankError(f"a peer ended or stopped answering within --dist-timeout {args.dist_timeout:g}s, so this "
+                         f"rank stops too ({detail}): Horovod's first error above says which; the error line of the "
+                         f"rank that ended first says why")
+    if any(words in lowered for words in PEER_GONE) or {t.__name__ for t in type(error).__mro__} & PEER_GONE_TYPES:
+        return RankError(f"a peer ended, so this rank stops too ({detail}): the error line of the rank that ended "
+                         f"first says why; with none, it was killed (the launcher names the signal; SIGKILL: often "
+                         f"the out-of-memory killer)")
+    return error
 
 
 def exit_bad_input(error, reporter):

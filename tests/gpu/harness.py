@@ -29,7 +29,7 @@ if ON_CPU:  # this process (the in-process model steps) and every launch see no 
 GPUS = 0 if ON_CPU else torch.cuda.device_count()
 DEVICE = "cpu" if ON_CPU else "cuda"
 NCCL = "gloo" if ON_CPU else "nccl"  # the backend the scripts choose by default
-FP16 = "bf16" if ON_CPU else "fp16"  # --amp: float16 (and its GradScaler) needs CUDA; bfloat16 stands in on CPU
+FP16 = "bf16" if ON_CPU else "fp16"  # --amp: on the CPU bfloat16 stands in for speed (fp16 runs, slowly)
 HALF = "bfloat16" if ON_CPU else "float16"  # apex_distributed.py --half-dtype: likewise
 CUDA_ONLY = "GPU_SUITE_ON_CPU=1: needs CUDA"
 SHARED = os.environ.get("GPU_SUITE_SHARED")  # scripts/gpu_suite.py: a folder its concurrent pytest processes share

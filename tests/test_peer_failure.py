@@ -1,0 +1,137 @@
+"""A failure on one rank mid-training (a file that is not an image, a loader worker killed by the out-of-memory
+killer): the rank that met it says why in one line, every other rank says in one line that a peer ended, no rank
+prints a traceback, and none is left behind. Each launcher reports its processes its own way: one case per way."""
+import re
+
+import pytest
+import torch
+
+from conftest import FAST, error_lines, import_script, spawn, torchrun
+from test_bad_input import broken_copy, first_train_image
+from test_horovod import horovodrun
+
+# how each launcher starts two processes, and finds the training process of a rank (not its loader workers)
+LAUNCHERS = {
+    "torchrun": (lambda *args: torchrun("distributed.py", 2, *args), lambda job, rank: job.process_of_rank(rank)),
+    "spawn": (lambda *args: spawn("multiprocessing_distributed.py", 2, *args), lambda job, rank: job.spawned()[rank]),
+    "horovodrun": (lambda *args: horovodrun(2, *args), lambda job, rank: job.process_of_rank(rank, "HOROVOD_RANK")),
+}
+# a launcher's own report of a failed worker: a traceback of its own, and exit code 1
+LAUNCHER_REPORTS = {"torchrun": "errors.ChildFailedError:", "horovodrun": "RuntimeError: Horovod detected that one"}
+# Horovod cannot tell a peer that ended from one that stopped answering: it says both
+PEER_ENDED = r"a peer ended(?: or stopped answering within --dist-timeout \S+)?, so this rank stops too \(.+\): "
+KILLED_WORKER = (r"a data loader worker \(pid {pid}\) was killed \(signal: Killed\), most likely by the out-of-memory "
+                 r"killer: use fewer -j/--workers, or give the job more memory")
+
+
+def assert_cause_and_peer(job, launcher, cause):
+    """The cause once and "a peer ended" once, nothing else: no traceback, exit code 2. torchrun and horovodrun add
+    their own report of a failed worker (a traceback of the launcher's, exit code 1), torchrun's with its code."""
+    job.finish(timeout=120)
+    errors = error_lines(re.sub(r"^\[\d+\]<std\w+>:", "", job.output, flags=re.M))  # horovodrun's prefix
+    assert len(errors) == 2, job.output
+    assert sum(bool(re.search(cause, line)) for line in errors) == 1, job.output
+    assert sum(bool(re.search(PEER_ENDED, line)) for line in errors) == 1, job.output
+    tracebacks = job.output.count("Traceback (most recent call last)")
+    if launcher in LAUNCHER_REPORTS:
+        assert job.returncode == 1 and tracebacks == job.output.count(LAUNCHER_REPORTS[launcher]) == 1, job.output
+        assert re.search(r"exitcode\s*: 2 |Exit code: 2\n", job.output), job.output  # the cause's code
+    else:
+        assert job.returncode == 2 and tracebacks == 0, job.output
+
+
+def needs(launcher):
+    if launcher == "horovodrun":
+        pytest.importorskip("horovod.torch")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_file_that_is_not_an_image_read_by_a_loader_worker(launcher, image_data, tmp_path):
+    needs(launcher)
+    data = broken_copy(image_data, tmp_path, lambda x: first_train_image(x).write_bytes(b"not an image"))
+    job = LAUNCHERS[launcher][0](data, *FAST, "-j", "2", "--epochs", "1", "--output-dir", tmp_path / "out")
+    assert_cause_and_peer(job, launcher, r"cannot read image .*class0/0000.JPEG .*replace or remove the file")
+    assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_loader_worker_killed_by_the_out_of_memory_killer(launcher, image_data, tmp_path):
+    """SIGKILL, as the kernel's out-of-memory killer sends it, to a loader worker of rank 1 mid-epoch."""
+    needs(launcher)
+    start, rank_process = LAUNCHERS[launcher]
+    job = start(image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "50", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    worker = rank_process(job, 1).children()[0]
+    worker.kill()
+    assert_cause_and_peer(job, launcher, KILLED_WORKER.format(pid=worker.pid))
+    assert not (tmp_path / "checkpoint.pth.tar").exists()  # no checkpoint from a step that never finished
+
+
+GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+               "[127.0.0.1]:39860. This is typically caused by a remote worker crashing. Check the logs of the remote "
+               "worker before reporting an error. GLHF!")
+NCCL_REMOTE = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hpp:268, remote process exited or there "
+               "was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network "
+               "error or a remote process exiting prematurely.\nLast error:\nsocketProgressOpt: Call to recv from "
+               "10.0.0.7<33759> failed : Connection reset by peer")
+
+
+class HorovodInternalError(RuntimeError):
+    """Horovod's, by name: the scripts recognise it without importing Horovod."""
+
+
+# what torch, its backends and Horovod raise -> what the line must say (None: the error stays itself)
+MESSAGES = [
+    (RuntimeError(GLOO_CLOSED), PEER_ENDED.replace(r"\(.+\)", r"\(Connection closed by peer \[127.0.0.1\]:39860\)")),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [10.0.0.7]:43270: Connection "
+                  "reset by peer"), PEER_ENDED),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Write error [10.0.0.7]:43270: Broken pipe"),
+     PEER_ENDED),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Socket closed [10.0.0.7]:43270"),
+     PEER_ENDED),
+    (torch.distributed.DistBackendError(NCCL_REMOTE),
+     PEER_ENDED.replace(r"\(.+\)", r"\(remote process exited or there was a network error, NCCL version 2.21.5\)")),
+    (torch.distributed.DistBackendError("NCCL communicator was aborted on rank 1."), PEER_ENDED),
+    (torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error (run "
+                                        "with NCCL_DEBUG=INFO for details), NCCL version 2.27.3\nncclSystemError: "
+                                        "System call (e.g. socket, malloc) or external library call failed or device "
+                                        "error."), PEER_ENDED),
+    (torch.distributed.DistNetworkError("failed to recv, got 0 bytes"), PEER_ENDED),
+    (HorovodInternalError("Horovod has been shut down. This was caused by an exception on one of the ranks or an "
+                          "attempt to allreduce, allgather or broadcast a tensor after one of the ranks finished "
+                          "execution."),
+     r"a peer ended or stopped answering within --dist-timeout 10s, so this rank stops too \(Horovod has been shut "
+     r"down\): Horovod's first error above says which"),
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:446] Timed out waiting 10000ms for recv operation to complete"),
+     r"a rank stopped answering: this one waited --dist-timeout 10s for it \(Timed out waiting 10000ms for recv "
+     r"operation to complete\); find the stuck process"),
+    (torch.distributed.DistBackendError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, "
+                                        "OpType=ALLREDUCE) ran for 10008 milliseconds before timing out."),
+     r"a rank stopped answering: this one waited --dist-timeout 10s"),
+    (RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. "), KILLED_WORKER.format(pid=4242)),
+    (RuntimeError("DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that dataloader's "
+                  "workers are out of shared memory. Please try to raise your shared memory limit."),
+     r"a data loader worker \(pid 4242\) was killed \(signal: Bus error\), most likely out of shared memory: give "
+     r"the job more \(/dev/shm; docker run --shm-size\), or use fewer -j/--workers"),
+    (RuntimeError("DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"),
+     r"a data loader worker \(pid 4242, 4243\) exited unexpectedly: if the out-of-memory killer ended it \(dmesg says "
+     r"so\), use fewer -j/--workers or give the job more memory; otherwise -j 0 shows the error in the training"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), None),
+    (ValueError("a bug, Connection closed by peer"), None),
+]
+
+
+@pytest.fixture(scope="module")
+def script():
+    return import_script("distributed.py")
+
+
+@pytest.mark.parametrize("error, expected", MESSAGES, ids=lambda x: str(x)[:40] if isinstance(x, Exception) else "")
+def test_each_kind_of_failure_becomes_one_line(error, expected, script):
+    """By class (DistBackendError, DistNetworkError, Horovod's) and by what gloo, NCCL and the DataLoader say: the
+    NCCL cases cannot be launched on a machine without two GPUs."""
+    line = script.explain_failure(error, script.parse_args(["--dummy", "--dist-timeout", "10"]))
+    if expected is None:
+        assert line is error
+    else:
+        assert isinstance(line, script.RankError) and "\n" not in str(line) and re.fullmatch(expected + ".*", str(line))
