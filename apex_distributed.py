@@ -1306,12 +1306,25 @@ def collate(samples):
     """apex's fast_collate as the loaders' collate_fn: the workers' uint8 images copied straight into one
     uint8 batch, channels last (the order the crops lie in); the loader pins it, and the Prefetcher puts it
     into the model's memory format and normalizes it once, on the device. Other inputs: default_collate."""
+    check_items(samples)
     if samples[0][0].dtype != torch.uint8:
         return default_collate(samples)
     images = torch.empty((len(samples), *samples[0][0].shape), dtype=torch.uint8, memory_format=torch.channels_last)
     for i, (image, _) in enumerate(samples):
         images[i].copy_(image)
     return images, torch.tensor([target for _, target in samples], dtype=torch.int64)
+
+
+def check_items(samples):
+    """One line, from the rank whose loader met them, for items that cannot make one batch: check_datasets read
+    a single item, and a dataset may return others unlike it (a row cut short, an image of another size)."""
+    kinds = sorted({f"{'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}"
+                    if isinstance(x, torch.Tensor) else type(x).__name__
+                    for x, *_ in (s if isinstance(s, (tuple, list)) else (s,) for s in samples)})
+    if len(kinds) > 1 or not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
+        raise RankError(f"the data's items differ within a batch (inputs {', '.join(kinds[:3])}), or are not "
+                        f"(input, label) pairs: every item's input must have one shape and dtype; crop or pad it in "
+                        f"the dataset")
 
 
 def build_datasets(args):

@@ -1355,10 +1355,23 @@ def collate(samples):
     copied into the batch in the order it lies in memory (channels last, as decode_jpeg and the crop
     leave it) instead of transposed, about 4x cheaper. The batch is NxCxHxW with channels-last strides;
     the Prefetcher puts it into the model's memory format on the device. Other inputs: default_collate."""
+    check_items(samples)
     if samples[0][0].dtype != torch.uint8:
         return default_collate(samples)
     images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
     return images.permute(0, 3, 1, 2), labels
+
+
+def check_items(samples):
+    """One line, from the rank whose loader met them, for items that cannot make one batch: check_datasets read
+    a single item, and a dataset may return others unlike it (a row cut short, an image of another size)."""
+    kinds = sorted({f"{'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}"
+                    if isinstance(x, torch.Tensor) else type(x).__name__
+                    for x, *_ in (s if isinstance(s, (tuple, list)) else (s,) for s in samples)})
+    if len(kinds) > 1 or not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
+        raise RankError(f"the data's items differ within a batch (inputs {', '.join(kinds[:3])}), or are not "
+                        f"(input, label) pairs: every item's input must have one shape and dtype; crop or pad it in "
+                        f"the dataset")
 
 
 def build_datasets(args):

@@ -30,7 +30,8 @@ APPENDIX = ["UserError", "RankError", "Parser", "number", "PEER_GONE", "PEER_GON
             "build_model", "param_groups", "new_optimizer", "lr_factor", "forward_backward", "optimizer_step",
             "ModelEMA", "set_tf32", "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD",
             "SyntheticImages",
-            "load_image", "RandomResizedCropFlip", "collate", "build_datasets", "ImageCrops", "build_loaders",
+            "load_image", "RandomResizedCropFlip", "collate", "check_items", "build_datasets", "ImageCrops",
+            "build_loaders",
             "start_loader_worker", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
             "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "memory_use",
             "CHECKPOINT", "set_seed",
@@ -65,7 +66,8 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.p
                                   "lr_factor", "forward_backward", "optimizer_step", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
                                   "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image",
-                                  "RandomResizedCropFlip", "collate", "Prefetcher", "accuracy", "Metrics", "benchmark",
+                                  "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
+                                  "Metrics", "benchmark",
                                   "memory_use",
                                   "MODEL_NAMES"}}
 

@@ -112,6 +112,18 @@ def short_rows(args):
     return train, val
 
 
+class Ragged(Table):
+    """Row 5 of the training set cut short: the one item check_datasets reads (the first of the val set) is fine."""
+
+    def __getitem__(self, index):
+        row, label = super().__getitem__(index)
+        return (row[:7] if index == 5 else row), label
+
+
+def ragged_rows(args):
+    return Ragged(192, 0), Table(40, 1)
+
+
 def no_classes(args):
     train, val = table(args)
     del train.num_classes
@@ -237,6 +249,8 @@ BAD = {
                    r"--dataset mine:not_a_pair returned a Table, not a pair \(train_set, val_set\)"),
     "inputs of the wrong shape": (["--dataset", "mine:short_rows", "-a", "mine:mlp"],
                                   r"--arch mine:mlp does not take the data's inputs \(7 float32\): "),
+    "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
+                                         r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
                                         r"an input is a uint8 tensor of shape 8x8; uint8 inputs are RGB images"),
     "no number of classes": (["--dataset", "mine:no_classes", "-a", "mine:mlp"],
