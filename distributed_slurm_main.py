@@ -406,6 +406,8 @@ def start_node_processes(args):
         # first to fail is the cause, and its code the task's. Only one killed by a signal cannot say it
         if isinstance(e, mp.ProcessExitedException) and e.exit_code > 0:
             sys.exit(e.exit_code)
+        if getattr(e, "signal_name", None) in ("SIGTERM", "SIGINT"):  # stopped from outside: the cause is elsewhere
+            sys.exit(1)
         what = (f"failed: {e.msg.strip().splitlines()[-1]}" if isinstance(e, mp.ProcessRaisedException)
                 else f"terminated with signal {e.signal_name}")
         if getattr(e, "signal_name", None) == "SIGKILL":

@@ -369,6 +369,8 @@ def supervise(workers):
         # first to fail is the cause, and its code the job's. Only one killed by a signal cannot say it
         if isinstance(e, mp.ProcessExitedException) and e.exit_code > 0:
             return e.exit_code
+        if getattr(e, "signal_name", None) in ("SIGTERM", "SIGINT"):  # stopped from outside: the cause is elsewhere
+            return 1
         what = (f"failed: {e.msg.strip().splitlines()[-1]}" if isinstance(e, mp.ProcessRaisedException)
                 else f"terminated with signal {e.signal_name}")
         if getattr(e, "signal_name", None) == "SIGKILL":
