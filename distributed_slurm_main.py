@@ -1444,10 +1444,14 @@ def start_loader_worker(worker_id):
     """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
     workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
     its preemption checkpoint: workers ignore both (the training process stops them itself). A worker ends with
-    its training process, even one killed with -9."""
+    its training process, even one killed with -9; one that dies while it takes a batch from the worker (its
+    connection cut) is reported by that process, and multiprocessing's thread that hands the batch over does not
+    add a traceback for it."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+    report = sys.excepthook
+    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
 
 
 def end_loader_workers():

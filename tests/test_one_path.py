@@ -57,19 +57,21 @@ def args_for(module, *argv):
 
 
 def fsdp_step(opt, amp):
-    """One training step of a sharded model (a one-process group) through the script's own pieces, on inputs so
-    large that fp16's scaled gradients overflow: (optimizer, scaler, weights before, weights after)."""
+    """One training step of a sharded model (a one-process group) through the script's own pieces, fp16's gradients
+    overflowing: (optimizer, scaler, weights before, weights after)."""
     fsdp = import_script("fsdp_distributed.py")
     args = args_for(fsdp, "--opt", opt, "--amp", amp, "--clip-grad-norm", "1", "--channels-last")
     model = fsdp.prepare_model(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
                                                    torch.nn.Linear(4 * 6 * 6, 3)), args, torch.device("cpu"), print)
     optimizer = fsdp.build_optimizer(model, args, torch.device("cpu"), print)
     _, scaler = fsdp.setup_precision(model, optimizer, args, torch.device("cpu"), print)
-    images = (torch.randn(4, 3, 8, 8) * 1000).contiguous(memory_format=torch.channels_last)  # overflows fp16 x 2^16
+    images = torch.randn(4, 3, 8, 8).contiguous(memory_format=torch.channels_last)
     output = model(images)
     assert output.dtype == torch.float32  # the loss in fp32, as autocast gives it; fp16 logits overflowed it
     before = [p.full_tensor().clone() for p in model.parameters()]
     scaler.scale(torch.nn.functional.cross_entropy(output, torch.tensor([0, 1, 2, 0]))).backward()
+    if scaler.is_enabled():  # an overflow for certain, whatever these inputs gave: one shard's gradient inf
+        next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
     scaler.unscale_(optimizer)
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
     scaler.step(optimizer)
@@ -95,7 +97,7 @@ def test_fsdp_step_runs_fused_or_foreach(opt, amp, process_group):
     assert (group["fused"], bool(group["foreach"])) == ((False, True) if opt == "sgd" else (True, False))
     moved = any(not torch.equal(a, b) for a, b in zip(before, after))
     assert moved == (amp == "bf16")
-    assert scaler.is_enabled() == (amp == "fp16")
+    assert scaler.is_enabled() == (amp == "fp16") and scaler.get_scale() == (2.0 ** 15 if amp == "fp16" else 1.0)
 
 
 def scaled_steps(optimizer, model):
