@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 import torchvision
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -310,6 +311,14 @@ def uninterrupted(image_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     ok(torchrun("distributed.py", 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", out))
     return out
+
+
+@pytest.fixture
+def process_group():
+    """A one-process gloo group in the test's own process, for a script's parts that need one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

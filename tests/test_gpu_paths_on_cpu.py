@@ -1,7 +1,6 @@
 """Defects that only CUDA runs show, caught here where a CPU can stand in (tests/gpu/ runs them on a GPU)."""
 import pytest
 import torch
-import torch.distributed as dist
 import torchvision
 
 from conftest import import_script
@@ -53,13 +52,6 @@ def test_a_unet_checkpoint_loaded_for_a_gpu_is_on_the_cpu(tmp_path):
                 "rng_states": [module.rng_state()]}, tmp_path / "ckpt.pth.tar")
     *_, ckpt = module.check_and_load(args, 0, 1, torch.device("meta"))
     assert_resumes_with_cpu_states(module, ckpt)
-
-
-@pytest.fixture
-def process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("script", DDP_SCRIPTS)

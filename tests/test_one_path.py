@@ -79,13 +79,6 @@ def fsdp_step(opt, amp):
     return optimizer, scaler, before, [p.full_tensor() for p in model.parameters()]
 
 
-@pytest.fixture
-def process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_fsdp_step_runs_fused_or_foreach(opt, amp, process_group):
