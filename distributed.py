@@ -1298,8 +1298,24 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
+    fork_loader_workers(train_loader, val_loader)
     return (train_sampler, Prefetcher(train_loader, device, args.channels_last),
             Prefetcher(val_loader, device, args.channels_last))
+
+
+def fork_loader_workers(*loaders):
+    """Starts the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
+    later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
+    them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
+    compile-worker pool and, on CUDA, the training loader's pin-memory thread. The loader's random draw for its
+    workers' seeds takes nothing from the training process's random state."""
+    for loader in loaders:
+        if loader.num_workers:
+            sampler, start = loader.sampler, loader.sampler.start
+            sampler.start = start + len(sampler)  # past its end
+            with torch.random.fork_rng(devices=[]):
+                iter(loader)
+            sampler.start = start
 
 
 def start_loader_worker(worker_id):
@@ -1365,12 +1381,13 @@ class ShardSampler(Sampler):
 
     def __init__(self, size, rank, world_size):
         self.indices = range(rank, size, world_size)
+        self.start = 0  # as TrainSampler's: indices skipped
 
     def __iter__(self):
-        return iter(self.indices)
+        return iter(self.indices[self.start:])
 
     def __len__(self):
-        return len(self.indices)
+        return len(self.indices[self.start:])
 
 
 class Prefetcher:

@@ -750,6 +750,7 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
                               drop_last=True, **loader_args)
     # one whole volume per batch: volumes differ in shape
     val_loader = DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
+    fork_loader_workers(train_loader, val_loader)
     return train_sampler, DevicePrefetcher(train_loader, device), DevicePrefetcher(val_loader, device)
 
 
@@ -1043,6 +1044,21 @@ class Preemption:
 
 
 # --- Data: samplers that split the samples between ranks -----------------------------------
+def fork_loader_workers(*loaders):
+    """Starts the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
+    later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
+    them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
+    compile-worker pool and, on CUDA, the training loader's pin-memory thread. The loader's random draw for its
+    workers' seeds takes nothing from the training process's random state."""
+    for loader in loaders:
+        if loader.num_workers:
+            sampler, start = loader.sampler, loader.sampler.start
+            sampler.start = start + len(sampler)  # past its end
+            with torch.random.fork_rng(devices=[]):
+                iter(loader)
+            sampler.start = start
+
+
 def start_loader_worker(worker_id):
     """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
     workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
@@ -1106,12 +1122,13 @@ class ShardSampler(Sampler):
 
     def __init__(self, size, rank, world_size):
         self.indices = range(rank, size, world_size)
+        self.start = 0  # as TrainSampler's: indices skipped
 
     def __iter__(self):
-        return iter(self.indices)
+        return iter(self.indices[self.start:])
 
     def __len__(self):
-        return len(self.indices)
+        return len(self.indices[self.start:])
 
 
 # --- Logs ------------------------------------------------------------------------------------

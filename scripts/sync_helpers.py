@@ -31,7 +31,7 @@ APPENDIX = ["UserError", "RankError", "Parser", "number", "PEER_GONE", "PEER_GON
             "ModelEMA", "set_tf32", "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD",
             "SyntheticImages",
             "load_image", "RandomResizedCropFlip", "collate", "check_items", "build_datasets", "ImageCrops",
-            "build_loaders",
+            "build_loaders", "fork_loader_workers",
             "start_loader_worker", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
             "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "memory_use",
             "CHECKPOINT", "set_seed",

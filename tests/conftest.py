@@ -73,8 +73,20 @@ class Job:
                 return line
             if time.time() > deadline:
                 break
+        stacks = self.stacks()
         self.kill()
-        pytest.fail(f"never saw {text!r} in the output of {' '.join(self.cmd)}:\n{self.output}")
+        pytest.fail(f"never saw {text!r} in the output of {' '.join(self.cmd)}:\n{self.output}\n{stacks}")
+
+    def stacks(self):
+        """Where each Python process of the job is now, every thread (py-spy dump): what a job that timed out was
+        waiting for, in CI's log, where nobody can attach a debugger. Processes that are not Python are left out."""
+        dumps = []
+        for p in self.processes():
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                dump = subprocess.run([BIN / "py-spy", "dump", "--pid", str(p.pid)], capture_output=True, text=True,
+                                      timeout=30)
+                dumps.append(dump.stdout if dump.returncode == 0 else f"py-spy on {p.pid}: {dump.stderr.strip()}")
+        return "\n".join(dumps)
 
     def processes(self):
         found = []
@@ -102,8 +114,9 @@ class Job:
         try:
             rest, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stacks = self.stacks()
             self.kill()
-            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output}")
+            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output}\n{stacks}")
         self.lines.append(rest)
         self.assert_no_leftovers()
         return self

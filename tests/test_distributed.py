@@ -146,6 +146,21 @@ def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, 
     assert_same_run(tmp_path, uninterrupted)
 
 
+def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(image_data, tmp_path):
+    """A fork while other threads run can hang the child (pytorch#130610): both loaders' workers start before
+    training does, and validation takes the same workers every epoch."""
+    job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "2", "--output-dir", tmp_path)
+
+    def workers():
+        return {rank: {p.pid for p in job.process_of_rank(rank).children()} for rank in (0, 1)}
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    first = workers()
+    assert [len(pids) for pids in first.values()] == [4, 4]  # 2 for training, 2 for validation
+    job.wait_for_line("Epoch 1 [ 1/12]")  # after a validation
+    assert workers() == first
+    ok(job)
+
+
 def test_ctrl_c_stops_every_process(image_data, tmp_path):
     job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "50", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")

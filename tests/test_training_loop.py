@@ -204,7 +204,7 @@ def test_compile_trains_and_its_checkpoint_loads_into_a_plain_model_and_evaluate
     distributed.py -e evaluates it as training did. A checkpoint saved from a compiled model elsewhere (nanoGPT
     saves `_orig_mod.` keys) loads too."""
     job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--epochs", "1", "--compile", "-j", "2", "--output-dir",
-                      tmp_path / "out"), timeout=900)
+                      tmp_path / "out"), timeout=480)
     assert "TF32: not on the CPU: full fp32" in job.output
     state = load(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
     plain = torchvision.models.resnet18(num_classes=4)
