@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fresh machine -> the whole test suite (launches the scripts for real on CPU; 15-30 minutes on 2 cores,
+# Fresh machine -> the whole test suite (launches the scripts for real on CPU; about 40 minutes on 2 cores,
 # plus about 6 minutes the first time, to build Horovod).
 set -euo pipefail
 cd "$(dirname "$0")/.."
