@@ -1045,13 +1045,14 @@ class Preemption:
 
 # --- Data: samplers that split the samples between ranks -----------------------------------
 def fork_loader_workers(*loaders):
-    """Starts the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
     later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
     them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
-    compile-worker pool and, on CUDA, the training loader's pin-memory thread. The loader's random draw for its
-    workers' seeds takes nothing from the training process's random state."""
+    compile-worker pool and, on CUDA, the training loader's pin-memory thread. Workers that are spawned (in a
+    process started by spawn) copy no lock: they start when first needed, as before. The loader's random draw for
+    its workers' seeds takes nothing from the training process's random state."""
     for loader in loaders:
-        if loader.num_workers:
+        if loader.num_workers and multiprocessing.get_start_method() == "fork":
             sampler, start = loader.sampler, loader.sampler.start
             sampler.start = start + len(sampler)  # past its end
             with torch.random.fork_rng(devices=[]):
