@@ -73,9 +73,13 @@ class Job:
                 return line
             if time.time() > deadline:
                 break
+        self.give_up(f"never saw {text!r} in the output of {' '.join(self.cmd)}:")
+
+    def give_up(self, why):
+        """Fails the test with why, the job's output and its stacks (taken before the job is killed)."""
         stacks = self.stacks()
         self.kill()
-        pytest.fail(f"never saw {text!r} in the output of {' '.join(self.cmd)}:\n{self.output}\n{stacks}")
+        pytest.fail(f"{why}\n{self.output}\n{stacks}")
 
     def stacks(self):
         """Where each Python process of the job is now, every thread (py-spy dump): what a job that timed out was
@@ -114,9 +118,7 @@ class Job:
         try:
             rest, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            stacks = self.stacks()
-            self.kill()
-            pytest.fail(f"timed out after {timeout}s: {' '.join(self.cmd)}\n{self.output}\n{stacks}")
+            self.give_up(f"timed out after {timeout}s: {' '.join(self.cmd)}")
         self.lines.append(rest)
         self.assert_no_leftovers()
         return self

@@ -30,3 +30,13 @@ def test_a_job_takes_sigint_as_a_terminal_leaves_it_even_when_the_suite_ignores_
     finally:
         signal.signal(signal.SIGINT, previous)
     assert job.finish(30).output.strip() == "default_int_handler"
+
+
+def test_a_job_that_times_out_fails_with_where_each_of_its_processes_is():
+    """CI's log is all there is of a hung job: its output, and each Python process's stack (py-spy)."""
+    job = Job([sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(60)\nprint('up', flush=True)\n"
+               "waiting_here()"])
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)timed out after 3s.*up.*waiting_here") as failure:
+        job.finish(timeout=3)
+    assert "py-spy on" not in str(failure.value)
+    assert not job.processes()
