@@ -660,6 +660,14 @@ def explain_failure(error, args):
         torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
     except RuntimeError as killed:
         error = killed
+    cause = error
+    for _ in range(8):  # a worker's death met while waiting for a batch: "exited unexpectedly", from the signal's
+        if "killed by signal: " in str(cause):  # error (SIGCHLD's) when that came first; the signal says more
+            error = cause
+            break
+        cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            break
     if not isinstance(error, RuntimeError):
         return error
     text = str(error).strip()

@@ -76,6 +76,12 @@ NCCL_REMOTE = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hp
                "10.0.0.7<33759> failed : Connection reset by peer")
 
 
+def raised_from(error, cause):
+    """`error`, as `raise error from cause` leaves it."""
+    error.__cause__ = cause
+    return error
+
+
 class HorovodInternalError(RuntimeError):
     """Horovod's, by name: the scripts recognise it without importing Horovod."""
 
@@ -113,6 +119,10 @@ MESSAGES = [
                   "workers are out of shared memory. Please try to raise your shared memory limit."),
      r"a data loader worker \(pid 4242\) was killed \(signal: Bus error\), most likely out of shared memory: give "
      r"the job more \(/dev/shm; docker run --shm-size\), or use fewer -j/--workers"),
+    # SIGCHLD's error met while waiting for a batch: torch raises "exited unexpectedly" from it
+    (raised_from(RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly"),
+                 RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")),
+     KILLED_WORKER.format(pid=4242)),
     (RuntimeError("DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"),
      r"a data loader worker \(pid 4242, 4243\) exited unexpectedly: if the out-of-memory killer ended it \(dmesg says "
      r"so\), use fewer -j/--workers or give the job more memory; otherwise -j 0 shows the error in the training"),
