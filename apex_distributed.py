@@ -358,10 +358,13 @@ def sum_async(tensor, group):
 # train_one_epoch and evaluate are the same text in every ImageNet sibling.
 # =============================================================================================
 def main():
+    first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # reports for its node: each may see its own problem
     try:
         main_worker(parse_args())
-    except UserError as e:  # one line per node: each node may see its own problem
-        exit_bad_input(e, reporter=int(os.environ.get("LOCAL_RANK", 0)) == 0)
+    except UserError as e:
+        exit_bad_input(e, reporter=first_on_node)
+    except KeyboardInterrupt:
+        exit_ctrl_c(reporter=first_on_node)
     finally:
         end_process_group()  # left to interpreter exit, a gloo thread can abort the process
 
@@ -369,6 +372,7 @@ def main():
 def main_worker(args, local_index=None):
     """One training process, from finding its peers to its last checkpoint. Returns the signal that
     stopped it for preemption (its checkpoint written), or None."""
+    catch_ctrl_c()
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
@@ -455,6 +459,8 @@ def main_worker(args, local_index=None):
                 return preemption.signum
     except Exception as e:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker again
+        if catch_ctrl_c.pressed:  # a peer that the same Ctrl-C stopped first: no failure
+            raise KeyboardInterrupt from None
         raise explain_failure(e, args) from None
     finally:
         if writer:
@@ -689,6 +695,30 @@ def exit_bad_input(error, reporter):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
         time.sleep(30)
     sys.exit(2)
+
+
+def catch_ctrl_c():
+    """Ctrl-C reaches every process of a job at once (a terminal signals its whole foreground group, and the
+    launchers pass theirs on too): the first SIGINT stops this process where it is (KeyboardInterrupt, which
+    main turns into exit_ctrl_c), those after it cannot cut its cleanup short, and a peer that stopped first is
+    no failure to report (catch_ctrl_c.pressed). Not where SIGINT was ignored at start (nohup, a background job)."""
+    def pressed(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        catch_ctrl_c.pressed = True
+        raise KeyboardInterrupt
+
+    catch_ctrl_c.pressed = False
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, pressed)
+
+
+def exit_ctrl_c(reporter):
+    """Exit code 130, a shell's for Ctrl-C, with one line from the reporting rank instead of a traceback from
+    every process."""
+    if reporter:
+        print("stopped by Ctrl-C, without saving: --resume auto continues from the last checkpoint (SIGTERM or "
+              "SIGUSR1 stop a run after saving where it is)", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 # --- Processes: the process group on a rendezvous store, agreeing on preemption ------------

@@ -25,7 +25,8 @@ INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process
 FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"]
 # the appendix
 APPENDIX = ["UserError", "RankError", "Parser", "number", "PEER_GONE", "PEER_GONE_TYPES", "explain_failure",
-            "exit_bad_input", "join_process_group", "die_with_parent", "Preemption", "check_args", "check_and_load",
+            "exit_bad_input", "catch_ctrl_c", "exit_ctrl_c", "join_process_group", "die_with_parent", "Preemption",
+            "check_args", "check_and_load",
             "load_spec", "call_spec", "class_count", "check_datasets", "check_model",
             "build_model", "param_groups", "new_optimizer", "lr_factor", "forward_backward", "optimizer_step",
             "ModelEMA", "set_tf32", "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD",

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from conftest import (BIN, EPOCHS, LOOP, OUTPUT_FILES, RESUME, ROOT, Job, assert_same_loop, assert_same_run,
-                      import_script, load, metrics, ok, python)
+                      error_lines, import_script, load, metrics, ok, python)
 
 SCRIPT = "distributed_slurm_main.py"
 BASE = os.environ.get("LOCAL_SLURM_BASE", "/tmp/pytorch-multigpu-slurm")
@@ -212,6 +212,21 @@ def test_a_failing_task_ends_the_whole_job(way, slurm, image_data, tmp_path):
     started = time.time()
     job.finish(timeout=90)
     assert job.returncode != 0 and time.time() - started < 60, job.output
+
+
+@pytest.mark.parametrize("way", ["one task per process", "one task per node"])
+def test_sigint_to_the_step_stops_every_process_with_one_line_per_node(way, slurm, image_data, tmp_path):
+    """SIGINT to every task of the step, as Slurm delivers it (scancel --signal=INT; srun passes on a second Ctrl-C
+    within a second the same way, then aborts the step itself). With --procs-per-node the task passes it on."""
+    extra = ["--procs-per-node", "1"] if way == "one task per node" else []
+    job = srun(slurm, ["-N2", "-n2", "-J", "ctrl-c"], image_data, *RESUME, "-j", "2", "--epochs", "50", *extra,
+               "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    slurm_command(slurm, "scancel", "--signal=INT", "--name=ctrl-c", check=True)
+    job.finish(timeout=90)
+    assert job.output.count("stopped by Ctrl-C, without saving") == 2, job.output  # one per node
+    assert not error_lines(job.output) and "Traceback" not in job.output, job.output
+    assert "Exited with exit code 130" in job.output and not (tmp_path / "checkpoint.pth.tar").exists()
 
 
 def test_a_killed_srun_leaves_no_process_behind(slurm, image_data, tmp_path):

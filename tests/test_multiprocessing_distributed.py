@@ -71,14 +71,6 @@ def test_a_killed_parent_leaves_no_process_behind_and_a_checkpoint(image_data, t
     assert_preempted(job, tmp_path, launcher_stopped=True)
 
 
-def test_ctrl_c_stops_every_process(image_data, tmp_path):
-    job = spawn(SCRIPT, 2, image_data, *RESUME, "-j", "2", "--epochs", "50", "--output-dir", tmp_path)
-    job.wait_for_line("Epoch 0 [ 1/12]")
-    os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
-    job.finish(timeout=60)
-    assert job.returncode != 0
-
-
 def test_python_without_nprocs_runs_one_process_on_cpu(image_data, tmp_path):
     job = ok(python(SCRIPT, image_data, *SHORT, "--output-dir", tmp_path))
     assert "world size 1, device cpu, backend gloo, global batch 16 = 1 x 16" in job.output

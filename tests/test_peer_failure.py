@@ -1,12 +1,14 @@
 """A failure on one rank mid-training (a file that is not an image, a loader worker killed by the out-of-memory
 killer): the rank that met it says why in one line, every other rank says in one line that a peer ended, no rank
 prints a traceback, and none is left behind. Each launcher reports its processes its own way: one case per way."""
+import os
 import re
+import signal
 
 import pytest
 import torch
 
-from conftest import FAST, error_lines, import_script, spawn, torchrun
+from conftest import FAST, error_lines, import_script, python, spawn, torchrun
 from test_bad_input import broken_copy, first_train_image
 from test_horovod import horovodrun
 
@@ -24,11 +26,16 @@ KILLED_WORKER = (r"a data loader worker \(pid {pid}\) was killed \(signal: Kille
                  r"killer: use fewer -j/--workers, or give the job more memory")
 
 
+def output_of(job):
+    """What the job printed, without horovodrun's prefix ("[1]<stderr>:") on its processes' lines."""
+    return re.sub(r"^\[\d+\]<std\w+>:", "", job.output, flags=re.M)
+
+
 def assert_cause_and_peer(job, launcher, cause):
     """The cause once and "a peer ended" once, nothing else: no traceback, exit code 2. torchrun and horovodrun add
     their own report of a failed worker (a traceback of the launcher's, exit code 1), torchrun's with its code."""
     job.finish(timeout=120)
-    errors = error_lines(re.sub(r"^\[\d+\]<std\w+>:", "", job.output, flags=re.M))  # horovodrun's prefix
+    errors = error_lines(output_of(job))
     assert len(errors) == 2, job.output
     assert sum(bool(re.search(cause, line)) for line in errors) == 1, job.output
     assert sum(bool(re.search(PEER_ENDED, line)) for line in errors) == 1, job.output
@@ -65,6 +72,32 @@ def test_a_loader_worker_killed_by_the_out_of_memory_killer(launcher, image_data
     worker.kill()
     assert_cause_and_peer(job, launcher, KILLED_WORKER.format(pid=worker.pid))
     assert not (tmp_path / "checkpoint.pth.tar").exists()  # no checkpoint from a step that never finished
+
+
+# Ctrl-C: the launchers above, and one process without one
+CTRL_C = {**{name: start for name, (start, _) in LAUNCHERS.items()},
+          "python": lambda *args: python("dataparallel.py", *args)}
+
+
+@pytest.mark.parametrize("launcher", CTRL_C)
+def test_ctrl_c_stops_every_process_with_one_line(launcher, image_data, tmp_path):
+    """SIGINT to the whole foreground group, as a terminal sends it, with loader workers: every process ends (the
+    harness checks that none is left) without a traceback of the script's or "a peer ended" from the ranks that
+    lost one. horovodrun ends its processes itself, with SIGTERM: they save a preemption checkpoint; elsewhere
+    one line, no checkpoint, and exit code 130 where the script decides it (not torchrun's own report)."""
+    needs(launcher)
+    job = CTRL_C[launcher](image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "50", "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    job.finish(timeout=60)
+    output, saved = output_of(job), (tmp_path / "checkpoint.pth.tar").exists()
+    assert not error_lines(output) and "KeyboardInterrupt" not in output, output
+    if launcher == "horovodrun":
+        assert job.returncode == 0 and "preempted: saved" in output and saved, output
+    else:
+        assert output.count("stopped by Ctrl-C, without saving: --resume auto continues from the last") == 1, output
+        assert not saved
+        assert job.returncode != 0 if launcher == "torchrun" else job.returncode == 130 and "Traceback" not in output
 
 
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
