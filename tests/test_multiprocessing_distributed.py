@@ -1,6 +1,6 @@
 """multiprocessing_distributed.py started with plain python on CPU: it spawns its own workers, equals
 torchrun, resumes after a forwarded SIGTERM, shares a machine with other jobs and nodes, and stops
-every process on Ctrl-C or when a worker dies."""
+every process when a worker dies (Ctrl-C: test_peer_failure.py, with the other launchers)."""
 import os
 import signal
 
