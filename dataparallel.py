@@ -299,6 +299,8 @@ def main_worker(args, local_index=None):
     train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
     output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
     set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
+    # before the process group: the loaders fork their workers now, while no thread of gloo's can hold a lock
+    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
     group = start_process_group(args, rank, world_size, device, log)
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))
     preemption = Preemption(group)
@@ -306,8 +308,6 @@ def main_worker(args, local_index=None):
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
         f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples")
     set_tf32(args, device, log)
-
-    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
     steps_per_epoch = len(train_batches)
 
     model = prepare_model(model, args, device, log)
@@ -1319,7 +1319,9 @@ def fork_loader_workers(*loaders):
     """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
     later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
     them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
-    compile-worker pool and, on CUDA, the training loader's pin-memory thread. Workers that are spawned (in a
+    compile-worker pool and, on CUDA, the training loader's pin-memory thread. main_worker calls it before the
+    process group too: a gloo thread that drops a tensor after a collective takes Python's thread-state lock, and
+    a worker forked just then hung in os.fork for good (seen in CI). Workers that are spawned (in a
     process started by spawn) copy no lock: they start when first needed, as before. The loader's random draw for
     its workers' seeds takes nothing from the training process's random state."""
     for loader in loaders:

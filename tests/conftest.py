@@ -5,11 +5,13 @@ import importlib.util
 import itertools
 import json
 import os
+import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,18 +64,34 @@ class Job:
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines = []
+        # read by a thread of its own, so that waiting for a line times out also when the job prints nothing
+        self.unread = queue.Queue()
+        threading.Thread(target=lambda: [*map(self.unread.put, self.proc.stdout), self.unread.put(None)],
+                         daemon=True).start()
         Job.started.append(self)
+
+    def read(self, deadline, until=lambda line: False):
+        """Takes the job's output into self.lines until a line satisfies `until` (returns it), or its end
+        (returns None); False at the deadline."""
+        while True:
+            try:
+                line = self.unread.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                return False
+            if line is None:
+                self.unread.put(None)  # the end stays the end for the next read
+                return None
+            self.lines.append(line)
+            if until(line):
+                return line
 
     def wait_for_line(self, text, timeout=120):
         """Read output until a line contains `text`; returns that line."""
-        deadline = time.time() + timeout
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if text in line:
-                return line
-            if time.time() > deadline:
-                break
-        self.give_up(f"never saw {text!r} in the output of {' '.join(self.cmd)}:")
+        line = self.read(time.time() + timeout, until=lambda line: text in line)
+        if not line:
+            self.give_up(f"never saw {text!r} in the output of {' '.join(self.cmd)} "
+                         f"({'it ended' if line is None else f'within {timeout}s'}):")
+        return line
 
     def give_up(self, why):
         """Fails the test with why, the job's output and its stacks (taken before the job is killed)."""
@@ -115,11 +133,13 @@ class Job:
         return sorted((p for p in children if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.pid)
 
     def finish(self, timeout=300):
+        deadline = time.time() + timeout
         try:
-            rest, _ = self.proc.communicate(timeout=timeout)
+            if self.read(deadline) is False:
+                raise subprocess.TimeoutExpired(self.cmd, timeout)
+            self.proc.wait(timeout=max(0.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             self.give_up(f"timed out after {timeout}s: {' '.join(self.cmd)}")
-        self.lines.append(rest)
         self.assert_no_leftovers()
         return self
 
@@ -145,7 +165,8 @@ class Job:
 
     def kill(self):
         self.kill_all()
-        self.lines.append(self.proc.communicate()[0] or "")
+        self.proc.wait()
+        self.read(time.time() + 10)
 
     @property
     def output(self):

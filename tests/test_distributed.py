@@ -147,14 +147,24 @@ def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, 
 
 def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(image_data, tmp_path):
     """A fork while other threads run can hang the child (pytorch#130610): both loaders' workers start before
-    training does, and validation takes the same workers every epoch."""
+    the process group's threads (gloo's: one hung a worker in os.fork in CI) and before training, and validation
+    takes the same workers every epoch."""
     job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "2", "--output-dir", tmp_path)
 
     def workers():
         return {rank: {p.pid for p in job.process_of_rank(rank).children()} for rank in (0, 1)}
+
+    def started(pid, tid=None):  # clock ticks since boot (/proc's starttime)
+        stat = Path(f"/proc/{pid}" + (f"/task/{tid}" if tid else "") + "/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
     job.wait_for_line("Epoch 0 [ 1/12]")
     first = workers()
     assert [len(pids) for pids in first.values()] == [4, 4]  # 2 for training, 2 for validation
+    for rank, pids in first.items():
+        trainer = job.process_of_rank(rank)
+        gloo = [started(trainer.pid, t.id) for t in trainer.threads()
+                if "gloo" in Path(f"/proc/{trainer.pid}/task/{t.id}/comm").read_text()]
+        assert gloo and max(started(pid) for pid in pids) <= min(gloo), (rank, gloo)
     job.wait_for_line("Epoch 1 [ 1/12]")  # after a validation
     assert workers() == first
     ok(job)

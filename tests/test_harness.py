@@ -3,6 +3,7 @@ job's session (as torchrun's workers do), so the no-leftover checks elsewhere ca
 SIGINT as a terminal leaves it, however the suite was started."""
 import signal
 import sys
+import time
 
 import pytest
 
@@ -40,3 +41,13 @@ def test_a_job_that_times_out_fails_with_where_each_of_its_processes_is():
         job.finish(timeout=3)
     assert "py-spy on" not in str(failure.value)
     assert not job.processes()
+
+
+def test_waiting_for_a_line_from_a_job_that_prints_nothing_times_out_with_its_stacks():
+    """A job hung before its first line (a rank stuck at start-up) used to block the test on its silent output
+    for good: pytest's own backstop then ended the whole suite's run of that test, without the stacks."""
+    job = Job([sys.executable, "-c", "import time\ndef silent_here():\n    time.sleep(60)\nsilent_here()"])
+    started = time.time()
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)never saw 'Epoch' .*within 3s.*silent_here"):
+        job.wait_for_line("Epoch", timeout=3)
+    assert time.time() - started < 40 and not job.processes()
