@@ -1,4 +1,4 @@
-"""ImageNet training with DistributedDataParallel on a Slurm cluster, started by srun.
+r"""ImageNet training with DistributedDataParallel on a Slurm cluster, started by srun.
 
 The Slurm sibling of distributed.py: the same program, with rank, world size and rendezvous taken
 from Slurm, and a job that requeues itself when its time runs out. Two ways to start it:
@@ -19,26 +19,35 @@ What differs from distributed.py: rank = SLURM_PROCID and world = SLURM_NTASKS (
 rendezvous is the first node of the job step (or --dist-file); after SIGUSR1 (sbatch
 --signal=USR1@120) rank 0 requeues the job, and the restarted job resumes from the step it stopped at.
 
-Read it top to bottom: the command line; the launcher part (how the processes find each other, the
-process group, wrapping the model, one optimizer step, sums over processes); the training flow
-(main -> main_worker -> train_one_epoch / evaluate); an appendix of the helpers every script carries.
+Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line,
+build_model and build_datasets (edit these two for your own model and data), the launcher part (how the
+processes find each other, the process group, wrapping the model, the optimizer step, sums over processes),
+the training flow (main -> main_worker -> train_one_epoch / evaluate) and what every run needs. Part 2 holds
+the optional features, a block each; part 3 is the safety net: checks, and failures told in one line.
+
+Every block of parts 2 and 3 lies between a line `# region [NAME]` and a line `# endregion [NAME]`, and every
+line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b).
+Delete a block and its tagged lines, nothing else, and the rest runs; delete every block for the core. One
+command does it (README: Copy only what you need), for the block ema here:
+
+    sed -E -i '/^ *# region \[ema\]/,/^ *# endregion \[ema\]/d; /#( \[[a-z0-9-]+\])* \[ema\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
 import atexit
 import contextlib
-import copy
+import copy  # [ema]
 import ctypes
 import datetime
-import fcntl
-import importlib
+import fcntl  # [safety]
+import importlib  # [spec]
 import inspect
-import json
+import json  # [logs]
 import math
 import multiprocessing
 import os
 import random
 import re
-import resource
+import resource  # [benchmark]
 import shutil
 import signal
 import socket
@@ -56,87 +65,90 @@ import torchvision
 from PIL import Image
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import swa_utils
+from torch.optim import swa_utils  # [ema]
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
-from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard import SummaryWriter  # [logs]
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
-
+# =============================================================================================
+# Part 1, the lesson: what every copier keeps. The command line, the two functions to edit for your own model
+# and data, the launcher part, the training flow, and what every run needs.
+# =============================================================================================
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n")[0])
     add = p.add_argument
     add("data", nargs="?", metavar="DIR",
         help="ImageFolder root with train/ and val/ (not needed with --dummy; with --dataset, its function's)")
-    add("--dataset", default=None, metavar="MODULE:FUNCTION",
-        help="your own data: FUNCTION(args) returns (train_set, val_set) (README: Your own data and model)")
-    add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
-    add("--dummy-size", type=number(int, 1), default=1280, metavar="N",
-        help="with --dummy: training images (validation: N/4)")
+    add("--dataset", default=None, metavar="MODULE:FUNCTION",  # [spec]
+        help="your own data: FUNCTION(args) returns (train_set, val_set) (README: Your own data and model)")  # [spec]
+    add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")  # [dummy]
+    add("--dummy-size", type=in_range(int, 1), default=1280, metavar="N",  # [dummy]
+        help="with --dummy: training images (validation: N/4)")  # [dummy]
     add("-a", "--arch", default="resnet18", metavar="ARCH",
         help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
-    add("--dropout", type=number(float, 0, below=1), default=None,
+    add("--dropout", type=in_range(float, 0, below=1), default=None,
         help="dropout rate for models that take one (0 turns it off)")
-    add("-j", "--workers", type=number(int, 0), default=4, help="data loading processes per training process")
-    add("--epochs", type=number(int, 0), default=90)
-    add("-b", "--batch-size", type=number(int, 1), default=256,
+    add("-j", "--workers", type=in_range(int, 0), default=4, help="data loading processes per training process")
+    add("--epochs", type=in_range(int, 0), default=90)
+    add("-b", "--batch-size", type=in_range(int, 1), default=256,
         help="global batch over all processes; divides by the world size")
     add("--opt", choices=("sgd", "adamw"), default="sgd", help="SGD with momentum, or AdamW")
-    add("--lr", type=number(float, 0), default=None,
+    add("--lr", type=in_range(float, 0), default=None,
         help="learning rate for the global batch (default: 0.1 for SGD, 0.001 for AdamW)")
-    add("--momentum", type=number(float, 0, below=1), default=0.9, help="SGD's momentum")
-    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
+    add("--momentum", type=in_range(float, 0, below=1), default=0.9, help="SGD's momentum")
+    add("--wd", "--weight-decay", type=in_range(float, 0), default=1e-4, dest="weight_decay")
     add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
     add("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step")
-    add("--lr-step", type=number(int, 1), default=30, help="epochs between step decays")
-    add("--warmup-epochs", type=number(float, 0), default=0.0, help="linear warmup from 0 to --lr")
-    add("--crop-size", type=number(int, 1), default=224)
-    add("--val-resize", type=number(int, 1), default=None,
+    add("--lr-step", type=in_range(int, 1), default=30, help="epochs between step decays")
+    add("--warmup-epochs", type=in_range(float, 0), default=0.0, help="linear warmup from 0 to --lr")
+    add("--crop-size", type=in_range(int, 1), default=224)
+    add("--val-resize", type=in_range(int, 1), default=None,
         help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
     add("--amp", choices=("none", "fp16", "bf16"), default="none",
         help="autocast dtype; fp16 scales the loss (on a CPU: for tests, slow)")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
-    add("--no-tf32", action="store_true",
-        help="full fp32 matmuls and convolutions (default: TF32 where the GPU has it)")
+    add("--no-tf32", action="store_true",  # [tf32]
+        help="full fp32 matmuls and convolutions (default: TF32 where the GPU has it)")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")
-    add("--grad-accum-steps", type=number(int, 1), default=1, metavar="K",
+    add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
         help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
-    add("--label-smoothing", type=number(float, 0, below=1), default=0.0, help="in the training loss only")
-    add("--clip-grad-norm", type=number(float, above=0), default=None, metavar="X",
+    add("--label-smoothing", type=in_range(float, 0, below=1), default=0.0, help="in the training loss only")
+    add("--clip-grad-norm", type=in_range(float, above=0), default=None, metavar="X",
         help="clip the global norm of the (unscaled, all-reduced) gradients to X")
-    add("--model-ema", action="store_true", help="keep an exponential moving average of the weights, evaluated too")
-    add("--model-ema-decay", type=number(float, 0, below=1), default=None, metavar="D", help="default 0.9998")
-    add("--model-ema-steps", type=number(int, 1), default=None, metavar="N", help="optimizer steps between updates (1)")
-    add("--profile", type=number(int, 1), default=None, metavar="STEPS",
-        help="torch.profiler over STEPS training steps after warm-up: a trace, and where the step time went")
-    add("--profile-all-ranks", action="store_true", help="with --profile: a trace from every rank, not rank 0's only")
+    add("--model-ema", action="store_true", help="an exponential moving average of the weights, evaluated too")  # [ema]
+    add("--model-ema-decay", type=in_range(float, 0, below=1), metavar="D", help="default 0.9998")  # [ema]
+    add("--model-ema-steps", type=in_range(int, 1), metavar="N", help="optimizer steps between updates (1)")  # [ema]
+    add("--profile", type=in_range(int, 1), metavar="STEPS",  # [profile]
+        help="torch.profiler over STEPS training steps after warm-up: a trace, where the step time went")  # [profile]
+    add("--profile-all-ranks", action="store_true", help="with --profile: all ranks trace")  # [profile]
     add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
-    add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent results")
+    add("--seed", type=in_range(int, 0), default=0, help="same seed, same data and world-size-independent results")
     add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
-    add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
-    add("--benchmark", type=number(int, 0), default=0, metavar="N",
-        help="train N steps on synthetic batches already on the device (no data loading), print img/s, exit")
+    add("-p", "--print-freq", type=in_range(int, 1), default=10, help="steps between progress lines")
+    add("--benchmark", type=in_range(int, 0), default=0, metavar="N",  # [benchmark]
+        help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=number(float, above=0), default=1800, help="seconds a collective may wait for a peer")
-    add("--procs-per-node", type=number(int, 0), default=0, metavar="N",
+    add("--dist-timeout", type=in_range(float, above=0), default=1800, help="seconds a collective may wait for a peer")
+    add("--procs-per-node", type=in_range(int, 0), default=0, metavar="N",
         help="one Slurm task per node starts N processes, one per GPU (0: srun starts every process)")
     add("--dist-file", default=None, metavar="PATH",
         help="rendezvous through this file on a filesystem all nodes share, instead of TCP to the first node")
-    return check_args(p.parse_args(argv))
+    args = p.parse_args(argv)
+    args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
+    args.lr = {"sgd": 0.1, "adamw": 0.001}[args.opt] if args.lr is None else args.lr
+    args.dummy = args.dummy or (args.benchmark > 0 and not args.dataset)  # [dummy] [benchmark] [spec]
+    check_args(args)  # [safety]
+    args.model_ema_decay = 0.9998 if args.model_ema_decay is None else args.model_ema_decay  # [ema]
+    args.model_ema_steps = args.model_ema_steps or 1  # [ema]
+    return args
 
 
-# =============================================================================================
-# The launcher part: Slurm, the process group, DDP. Every sibling defines these names, with
-# these parameters, its own way: find_processes, check_launch_args, start_process_group,
-# end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
-# wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
-# =============================================================================================
 SLURM_VARS = ("SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
 
 
@@ -186,6 +198,81 @@ def expand_hostlist(hostlist):
     return hosts
 
 
+def build_model(args, num_classes, load_weights=True):
+    """The model: an nn.Module that maps a batch of the data's inputs (on the device; images normalized floats)
+    to num_classes logits. Edit this and build_datasets for your own model and data, nothing else.
+    --arch MODULE:FUNCTION: your FUNCTION(num_classes=N) (and dropout=X with --dropout). Else a torchvision
+    model: --pretrained loads the default weights into every layer whose shape fits: all of them for 1000
+    classes; all but the classifier otherwise (fine-tuning); load_weights=False builds the model for them
+    without loading them (check_model)."""
+    options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
+    if ":" in args.arch:  # [spec]
+        model = call_spec(args.arch, "--arch", **options)  # [spec]
+        if not isinstance(model, torch.nn.Module):  # [spec]
+            raise UserError(f"--arch {args.arch} returned a {type(model).__name__}, not a torch.nn.Module")  # [spec]
+        return model  # [spec]
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
+    if args.arch in ("googlenet", "inception_v3"):
+        # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
+        # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
+        options.update(aux_logits=False, init_weights=True, transform_input=True)
+    if weights is not None and args.arch.startswith("vit_"):  # a ViT takes one image size: the one of its weights
+        options["image_size"] = weights.meta["min_size"][0]  # (518 for vit_h_14's)
+    try:
+        model = torchvision.models.get_model(args.arch, **options)
+    except TypeError as e:
+        raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
+    if weights is not None and load_weights:
+        try:
+            pretrained = weights.get_state_dict(progress=False)
+        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
+            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
+                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
+        own = model.state_dict()  # the auxiliary classifiers' weights have no place in it
+        model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape},
+                              strict=False)
+    return model
+
+
+def build_datasets(args):
+    """(train set, validation set): edit this and build_model for your own data and model, nothing else.
+    Map-style datasets of (input, label): an integer label from 0 to N-1, N the train set's num_classes (or
+    len(classes)); an input is a uint8 RGB image, 3xHxW, which the Prefetcher normalizes on the device, or a
+    tensor of any other dtype and shape, which reaches the model unchanged (check_datasets). Here: ImageFolder
+    or --dummy, whose workers decode and crop; --dataset MODULE:FUNCTION: FUNCTION(args), its uint8 images
+    cropped as ImageFolder's are (ImageCrops)."""
+    train_tf = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
+    train_tf = RandomResizedCropFlip(args.crop_size)  # [fast-crop]
+    val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
+    if args.dataset:  # [spec]
+        sets = call_spec(args.dataset, "--dataset", args)  # [spec]
+        if isinstance(sets, (tuple, list)) and len(sets) == 2:  # [spec]
+            sets = [ImageCrops(data, tf) if hasattr(data, "__getitem__") else data  # [spec]
+                    for data, tf in zip(sets, (train_tf, val_tf))]  # [spec]
+        return sets  # [spec]
+    if args.dummy:  # [dummy]
+        return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),  # [dummy]
+                SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))  # [dummy]
+    if not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
+    sets = []
+    for split, tf in (("train", train_tf), ("val", val_tf)):
+        root = os.path.join(args.data, split)
+        if not os.path.isdir(root):
+            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
+        try:
+            sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
+        except FileNotFoundError as e:
+            raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs at least one image") from None
+    if sets[0].classes != sets[1].classes:
+        raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")
+    return sets
+# =============================================================================================
+# The launcher part: Slurm, the process group, DDP. Every sibling defines these names, with
+# these parameters, its own way: find_processes, check_launch_args, start_process_group,
+# end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
+# wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
+# =============================================================================================
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process. One task per GPU: from srun's task variables. One
     task per node (--procs-per-node N): its N processes take the ranks SLURM_NODEID * N + local_index; the
@@ -297,12 +384,33 @@ def wrap_model(model, args, device, amp_dtype):
 
 
 def train_step(run, images, target, args):
-    """One optimizer step on this process's batch, in --grad-accum-steps micro-batches: DDP all-reduces the
-    gradients in the last one's backward() only, under no_sync() before. Returns the loss summed over the batch,
-    the outputs, and whether the gradients were clipped."""
+    """One optimizer step on this process's batch, all of it. Forward and backward in --grad-accum-steps
+    micro-batches, each loss divided by their number, so that the summed gradients are the whole batch's: DDP
+    all-reduces them in the last one's backward() only, under no_sync() before. Then --clip-grad-norm on the true
+    gradients (unscaled first; the optimizer's parameters, which are apex O2's fp32 master weights), the step, the
+    schedule. Returns the loss summed over the batch (label smoothing included), the outputs, and 1 if it clipped."""
     ddp = getattr(run.train_model, "_orig_mod", run.train_model)  # the DDP module under torch.compile's wrapper
-    loss_sum, output = forward_backward(run, images, target, args, getattr(ddp, "no_sync", contextlib.nullcontext))
-    return loss_sum, output, optimizer_step(run, args)
+    no_sync = getattr(ddp, "no_sync", contextlib.nullcontext)  # one process: nothing to hold back
+    chunks, loss_sum, outputs, clipped = args.grad_accum_steps, 0, [], 0
+    run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
+    for i, (images_part, target_part) in enumerate(zip(images.chunk(chunks), target.chunk(chunks))):
+        with no_sync() if i < chunks - 1 else contextlib.nullcontext():
+            with torch.autocast(images.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+                output = run.train_model(images_part)
+                loss = F.cross_entropy(output, target_part, label_smoothing=args.label_smoothing)
+            run.scaler.scale(loss / chunks).backward()  # fp16: the loss scaled up, so that no gradient underflows
+        loss_sum = loss_sum + loss.detach().float() * target_part.numel()
+        outputs.append(output.detach().float())
+    if args.clip_grad_norm:
+        run.scaler.unscale_(run.optimizer)
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        clipped = (torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm) > args.clip_grad_norm).double()
+    run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
+    run.scaler.update()
+    run.scheduler.step()
+    if run.ema:  # [ema]
+        run.ema.update(run.model, run.scheduler.last_epoch)  # [ema]
+    return loss_sum, torch.cat(outputs), clipped
 
 
 def reduce_tensor(tensor):
@@ -421,7 +529,6 @@ def start_node_processes(args):
 def main_worker(args, local_index=None):
     """One training process, from finding its peers to its last checkpoint. Returns the signal that
     stopped it for preemption (its checkpoint written), or None."""
-    catch_ctrl_c()
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
@@ -429,27 +536,34 @@ def main_worker(args, local_index=None):
     rank, local_rank, world_size, device = find_processes(args, local_index)
     log = print_or_drop if rank == 0 else (lambda *a, **k: None)
 
-    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, world_size, device)
-    output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
-    set_seed(args.seed + rank)  # same initial weights everywhere, but each rank its own dropout draws
+    ckpt_path = resume_path(args)
+    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
+    sets = build_datasets(args)
+    check_run(args, world_size, device, sets, ckpt_path, ckpt)  # [safety]
+    train_set, val_set = sets
+    num_classes, local_batch = class_count(train_set), args.batch_size // world_size
+    set_seed(args.seed)
+    model = build_model(args, num_classes)  # the same initial weights on every rank
+    check_fit(ckpt_path, ckpt, model, args)  # [safety]
+    claim_output_dir(args, rank, log)  # [safety]
+    set_seed(args.seed + rank)  # but each rank its own dropout draws
     # before the process group: the loaders fork their workers now, while no thread of gloo's can hold a lock
     train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
     group = start_process_group(args, rank, world_size, device, log)
-    check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))
-    preemption = Preemption(group)
-    num_classes, local_batch = class_count(train_set), args.batch_size // world_size
+    check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
         f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples")
-    set_tf32(args, device, log)
-    steps_per_epoch = len(train_batches)
+    set_tf32(args, device, log)  # [tf32]
 
     model = prepare_model(model, args, device, log)
-    ema = ModelEMA(model, args) if args.model_ema else None  # fp32: taken before setup_precision casts the model
+    ema = ModelEMA(model, args) if args.model_ema else None  # [ema]
     optimizer = build_optimizer(model, args, device, log)
     amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
+    steps_per_epoch = len(train_batches)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype)
-    run.ema, run.profiler = ema, StepProfiler(args, rank, device, log, steps_per_epoch)
+    run.ema = ema  # [ema]
+    run.preemption = Preemption(group)  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
         log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)})")
@@ -457,63 +571,52 @@ def main_worker(args, local_index=None):
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
     if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
         run.train_model = torch.compile(run.train_model)
+    run.profiler = StepProfiler(run, args, rank, log, steps_per_epoch)  # [profile]
+    if args.benchmark:  # [benchmark]
+        return benchmark(run, args, world_size, log, val_set)  # [benchmark]
+    if args.evaluate:
+        evaluated = {"val": run.eval_model}
+        if ema:  # [ema]
+            evaluated["val ema"] = ema.module  # [ema]
+        for name, model in evaluated.items():
+            val = evaluate(model, val_batches, amp_dtype)
+            log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
+                f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
+        return None
 
-    writer = None
-    try:  # from here on, a failure on any rank (a peer gone, a loader worker killed) is one line on each
-        if args.benchmark:
-            benchmark(run, preemption, args, world_size, log, val_set)
-            return None
-        if args.evaluate:
-            for name, evaluated in [("val", run.eval_model)] + ([("val ema", ema.module)] if ema else []):
-                val = evaluate(evaluated, val_batches, amp_dtype)
-                log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
-                    f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
-            return None
-
-        writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
-        show_bar = rank == 0 and sys.stdout.isatty()
-        while run.epoch < args.epochs:
-            epoch, started = run.epoch, time.time()
-            train_sampler.set_epoch(epoch)
-            train_sampler.start = run.step * local_batch
-            train = train_one_epoch(run, train_batches, preemption, args, log, show_bar)
-            if train is None:
-                run.save(args, rank, is_best=False)
-                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch} step {run.step}; "
-                    f"continue with --resume auto")
-                return preemption.signum
-            train_seconds = time.time() - started
-            sync_buffers(model)
-            val = evaluate(run.eval_model, val_batches, amp_dtype)
-            if ema:  # rank 0's BatchNorm statistics, as in the model
-                sync_buffers(ema.module)
-                val.update({f"{key}_ema": value for key, value in evaluate(ema.module, val_batches, amp_dtype).items()})
-            is_best = val["acc1"] > run.best_acc1
-            run.epoch, run.best_acc1 = epoch + 1, max(run.best_acc1, val["acc1"])
-            run.save(args, rank, is_best)
-            row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
-                   "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
-                   "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started,
-                   **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if ema},
-                   **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {})}
-            if rank == 0:
-                write_epoch(row, writer, args.output_dir)
-            log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
-                f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}" + (f" | ema acc1 {val['acc1_ema']:.2f}" if ema else "")
-                + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
-                + f" | {row['img_per_s']:.0f} img/s")
-            if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
-                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} after epoch {epoch}; "
-                    f"continue with --resume auto")
-                return preemption.signum
-    except Exception as e:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker again
-        if catch_ctrl_c.pressed:  # a peer that the same Ctrl-C stopped first: no failure
-            raise KeyboardInterrupt from None
-        raise explain_failure(e, args) from None
-    finally:
-        if writer:
-            writer.close()
+    writer = open_writer(args, rank, run.epoch)  # [logs]
+    show_bar = rank == 0 and sys.stdout.isatty()
+    while run.epoch < args.epochs:
+        epoch, started = run.epoch, time.time()
+        train_sampler.set_epoch(epoch)
+        train_sampler.start = run.step * local_batch
+        train = train_one_epoch(run, train_batches, args, log, show_bar)
+        if train is None:  # [preemption]
+            return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
+        train_seconds = time.time() - started
+        sync_buffers(model)
+        val = evaluate(run.eval_model, val_batches, amp_dtype)
+        if ema:  # [ema]
+            sync_buffers(ema.module)  # [ema]
+            val_ema = evaluate(ema.module, val_batches, amp_dtype)  # [ema]
+            val.update({f"{key}_ema": value for key, value in val_ema.items()})  # [ema]
+        is_best = val["acc1"] > run.best_acc1
+        run.epoch, run.best_acc1 = epoch + 1, max(run.best_acc1, val["acc1"])
+        run.save(args, rank, is_best)
+        row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
+               "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
+               "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started,
+               **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if key in val},
+               **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {})}
+        if writer:  # [logs]
+            write_epoch(row, writer, args.output_dir)  # [logs]
+        log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
+            f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}"
+            + (f" | ema acc1 {val['acc1_ema']:.2f}" if "acc1_ema" in val else "")
+            + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
+            + f" | {row['img_per_s']:.0f} img/s")
+        if run.preemption.agreed_now() and run.epoch < args.epochs:  # [preemption]
+            return run.preemption.stop(run, args, rank, log, f"after epoch {epoch}", saved=True)  # [preemption]
     return None
 
 
@@ -526,7 +629,7 @@ class RunState:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.amp_dtype, self.train_model, self.eval_model = amp_dtype, model, model
         self.epoch, self.step, self.best_acc1, self.train_sums = 0, 0, 0.0, None
-        self.ema, self.profiler = None, None  # ModelEMA with --model-ema, StepProfiler
+        self.ema = None  # [ema]
 
     def save(self, args, rank, is_best):
         """Every rank takes part (their random states are gathered); rank 0 writes."""
@@ -537,14 +640,14 @@ class RunState:
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "args": vars(args),
                 "world_size": len(rng_states), "rng_states": rng_states, "train_sums": self.train_sums,
-                "model_ema": self.ema and self.ema.module.state_dict(),
+                "model_ema": self.ema and self.ema.module.state_dict(),  # [ema]
             }, is_best, args.output_dir)
 
     def load_state_dict(self, ckpt, args, rank, world_size, log):
         """Everything back from a checkpoint (load_checkpoint's); only the weights for --evaluate."""
         self.model.load_state_dict(ckpt["state_dict"])
-        if self.ema:
-            self.ema.load(ckpt.get("model_ema"), self.model, log)
+        if self.ema:  # [ema]
+            self.ema.load(ckpt.get("model_ema"), self.model, log)  # [ema]
         if args.evaluate:
             return
         self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -560,7 +663,7 @@ class RunState:
                 f"random states start afresh (results match, but not bit for bit)")
 
 
-def train_one_epoch(run, batches, preemption, args, log, show_bar):
+def train_one_epoch(run, batches, args, log, show_bar):
     """One pass over this rank's share of the data, from step run.step on. Returns the epoch's summary (loss,
     acc1, count), or None when every rank agreed to stop: run.step and run.train_sums then say where."""
     run.train_model.train()
@@ -568,7 +671,8 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
     metrics = Metrics(device)
     if run.train_sums is not None:
         metrics.sums[:len(run.train_sums)] += run.train_sums.to(device)  # this epoch's part before a preemption
-    steps_per_epoch, first_bad = run.step + len(batches), torch.full((), -1, device=device)
+    steps_per_epoch = run.step + len(batches)
+    first_bad = torch.full((), -1, device=device)  # [safety]
     bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
                disable=not show_bar)
     last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[3].item()
@@ -576,7 +680,7 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
     def report(step):
         nonlocal last_time, last_count
         s = metrics.summary()
-        check_finite(s, first_bad, run.epoch)
+        check_finite(s, first_bad, run.epoch)  # [safety]
         now = time.time()
         text = (f"loss {s['loss']:.4f} acc1 {s['acc1']:.2f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
                 f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.0f} img/s")
@@ -587,14 +691,15 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
             log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
         return s
 
-    for step, (images, target) in enumerate(run.profiler.timed(batches), start=run.step):
-        if preemption.agreed():
-            bar.close()
-            run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()
-            return None
+    batches = run.profiler.timed(batches)  # [profile]
+    for step, (images, target) in enumerate(batches, start=run.step):
+        if run.preemption.agreed():  # [preemption]
+            bar.close()  # [preemption]
+            run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()  # [preemption]
+            return None  # [preemption]
         loss_sum, output, clipped = train_step(run, images, target, args)
         metrics.update(loss_sum, output, target, clipped)
-        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)  # [safety]
         bar.update()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
             report(step + 1)
@@ -602,14 +707,6 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
     bar.close()
     run.step, run.train_sums = 0, None
     return summary
-
-
-def check_finite(summary, first_bad, epoch):
-    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
-    if summary["nonfinite"]:
-        step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
-        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
-                        f"lower --lr, add --warmup-epochs, or check the data")
 
 
 def evaluate(model, batches, amp_dtype):
@@ -624,10 +721,9 @@ def evaluate(model, batches, amp_dtype):
 
 
 # =============================================================================================
-# Appendix: the helpers every script of this repository carries, the same text in each
-# (scripts/sync_helpers.py keeps them so; tests/test_helpers_identical.py checks it)
+# What every run needs: bad input as one line, the optimizer and its schedule, loaders, samplers, the
+# device prefetcher, metrics, checkpoint files. The same text in every script (scripts/sync_helpers.py).
 # =============================================================================================
-# --- Errors: bad input is one line and exit code 2, from the rank that can say it ----------
 class UserError(Exception):
     """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
 
@@ -648,8 +744,8 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{message} (see --help)")
 
 
-def number(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. number(int, 1)
+def in_range(kind, at_least=None, above=None, below=None):
+    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. in_range(int, 1)
     for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
     name = "an integer" if kind is int else "a number"
     limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
@@ -670,70 +766,6 @@ def number(kind, at_least=None, above=None, below=None):
     return convert
 
 
-# what gloo, NCCL and Horovod say when a peer is gone (gloo: "Connection closed by peer" and the socket errors;
-# NCCL: ncclRemoteError, or the communicator its watchdog aborted after one), and the classes they raise it as
-PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed",
-             "communicator was aborted", "remote process exited", "ncclremoteerror", "ncclsystemerror")
-PEER_GONE_TYPES = {"DistNetworkError", "DistBackendError", "HorovodInternalError"}  # by name: no import needed
-
-
-def explain_failure(error, args):
-    """What to raise for an error that ends training on this rank: a failure on some rank mid-run becomes one
-    line (RankError) on each rank that meets it, the cause on the rank where it happened, "a peer ended" on the
-    others. A collective that timed out (a rank stopped answering), one that lost its peer (gloo, NCCL, Horovod), a
-    DataLoader worker killed (the out-of-memory killer, mostly); any other error stays itself, traceback and all."""
-    if isinstance(error, UserError):
-        return error
-    try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a closed pipe)
-        torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
-    except RuntimeError as killed:
-        error = killed
-    cause = error
-    for _ in range(8):  # a worker's death met while waiting for a batch: "exited unexpectedly", from the signal's
-        if "killed by signal: " in str(cause):  # error (SIGCHLD's) when that came first; the signal says more
-            error = cause
-            break
-        cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            break
-    if not isinstance(error, RuntimeError):
-        return error
-    text = str(error).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
-    if "DataLoader worker (pid" in text:  # torch/utils/data: "(pid 42) is killed by signal: Killed." and others
-        pids = text.split("DataLoader worker (pid", 1)[1].removeprefix("(s)").split(")", 1)[0].strip()
-        signal_name = text.split("killed by signal: ", 1)[1].split(".")[0] if "killed by signal: " in text else None
-        what = f"a data loader worker (pid {pids})"
-        if signal_name == "Killed":
-            return RankError(f"{what} was killed (signal: Killed), most likely by the out-of-memory killer: use "
-                             f"fewer -j/--workers, or give the job more memory")
-        if signal_name == "Bus error":
-            return RankError(f"{what} was killed (signal: Bus error), most likely out of shared memory: give the job "
-                             f"more (/dev/shm; docker run --shm-size), or use fewer -j/--workers")
-        ended = f"was killed (signal: {signal_name})" if signal_name else "exited unexpectedly"
-        return RankError(f"{what} {ended}: if the out-of-memory killer ended it (dmesg says so), use fewer "
-                         f"-j/--workers or give the job more memory; otherwise -j 0 shows the error in the training "
-                         f"process")
-    line = next((line for line in lines if any(words in line.lower() for words in PEER_GONE)), lines[-1])
-    if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
-        line = line.split(", ", 1)[-1]
-    detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
-    lowered = text.lower()
-    if any(words in lowered for words in ("timed out", "timeout", "timing out")):
-        return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
-                         f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
-                         f"--dist-timeout to notice sooner")
-    if "horovod has been shut down" in lowered:  # its background loop stopped: a peer ended, or timed out
-        return RankError(f"a peer ended or stopped answering within --dist-timeout {args.dist_timeout:g}s, so this "
-                         f"rank stops too ({detail}): Horovod's first error above says which; the error line of the "
-                         f"rank that ended first says why")
-    if any(words in lowered for words in PEER_GONE) or {t.__name__ for t in type(error).__mro__} & PEER_GONE_TYPES:
-        return RankError(f"a peer ended, so this rank stops too ({detail}): the error line of the rank that ended "
-                         f"first says why; with none, it was killed (the launcher names the signal; SIGKILL: often "
-                         f"the out-of-memory killer)")
-    return error
-
-
 def exit_bad_input(error, reporter):
     """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
     met a RankError). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
@@ -746,31 +778,6 @@ def exit_bad_input(error, reporter):
     sys.exit(2)
 
 
-def catch_ctrl_c():
-    """Ctrl-C reaches every process of a job at once (a terminal signals its whole foreground group, and the
-    launchers pass theirs on too): the first SIGINT stops this process where it is (KeyboardInterrupt, which
-    main turns into exit_ctrl_c), those after it cannot cut its cleanup short, and a peer that stopped first is
-    no failure to report (catch_ctrl_c.pressed). Not where SIGINT was ignored at start (nohup, a background job)."""
-    def pressed(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        catch_ctrl_c.pressed = True
-        raise KeyboardInterrupt
-
-    catch_ctrl_c.pressed = False
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, pressed)
-
-
-def exit_ctrl_c(reporter):
-    """Exit code 130, a shell's for Ctrl-C, with one line from the reporting rank instead of a traceback from
-    every process."""
-    if reporter:
-        print("stopped by Ctrl-C, without saving: --resume auto continues from the last checkpoint (SIGTERM or "
-              "SIGUSR1 stop a run after saving where it is)", file=sys.stderr, flush=True)
-    sys.exit(130)
-
-
-# --- Processes: the process group on a rendezvous store, agreeing on preemption ------------
 def join_process_group(args, store, rank, world_size, device):
     """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
     flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
@@ -799,281 +806,6 @@ def join_process_group(args, store, rank, world_size, device):
         raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
                         f"a rank elsewhere may have stopped (see the output of every node), or was never started"
                         ) from None
-
-
-def die_with_parent(signum):
-    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
-    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
-    training process save its preemption checkpoint on the way out."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
-    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
-
-    def __init__(self, group):
-        self.group, self.requested, self.signum, self.wait = group, False, None, None
-        self.flag = torch.zeros(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.requested, self.signum = True, signum
-
-    def agreed(self):
-        """Called by every rank at every step: True on all ranks at the same step."""
-        if self.group is None:
-            return self.requested
-        stop = False
-        if self.wait is not None:
-            self.wait()
-            stop = self.flag.item() > 0
-        self.flag.fill_(float(self.requested))
-        self.wait = None if stop else sum_async(self.flag, self.group)
-        return stop
-
-    def agreed_now(self):
-        """Blocking agreement, at the end of an epoch."""
-        if self.group is None:
-            return self.requested
-        if self.wait is not None:
-            self.wait()
-        self.flag.fill_(float(self.requested))
-        sum_async(self.flag, self.group)()
-        self.wait = None
-        return self.flag.item() > 0
-
-
-# --- Checks before training, and the model -------------------------------------------------
-def check_args(args):
-    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
-    checked here, right after parsing, before any process waits for another."""
-    if args.dummy and args.dataset:
-        raise UserError("--dummy and --dataset both name the data: give one of them")
-    if args.pretrained and ":" in args.arch:
-        raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own model: load "
-                        f"its weights inside {args.arch.split(':')[-1]}, or drop --pretrained")
-    args.dummy = args.dummy or (args.benchmark > 0 and not args.dataset)  # a benchmark needs no dataset
-    args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
-    args.lr = {"sgd": 0.1, "adamw": 0.001}[args.opt] if args.lr is None else args.lr
-    if args.epochs == 0 and not (args.evaluate or args.benchmark):
-        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
-    if args.val_resize < args.crop_size:
-        raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
-                        f"crop would be padded with black; give --val-resize {args.crop_size} or more")
-    for flag, needs in (("model_ema_decay", "model_ema"), ("model_ema_steps", "model_ema"),
-                        ("profile_all_ranks", "profile")):
-        if getattr(args, flag) not in (None, False) and not getattr(args, needs):
-            raise UserError(f"--{flag.replace('_', '-')} goes with --{needs.replace('_', '-')}: add it, or drop "
-                            f"--{flag.replace('_', '-')}")
-    if args.profile and args.evaluate:
-        raise UserError("--profile records training steps, and -e trains none: drop one of them")
-    args.model_ema_decay = 0.9998 if args.model_ema_decay is None else args.model_ema_decay
-    args.model_ema_steps = args.model_ema_steps or 1
-    return args
-
-
-def check_and_load(args, world_size, device):
-    """Everything that can fail on bad input, done before any process waits for another. Returns the
-    datasets, the model (the same initial weights on every rank), the checkpoint's path and the checkpoint."""
-    if ":" in args.arch:
-        load_spec(args.arch, "--arch")  # an import that fails, before any data is read
-    elif args.arch not in MODEL_NAMES:
-        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
-                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)}), or your own as MODULE:FUNCTION")
-    if args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
-                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
-    if args.batch_size // world_size % args.grad_accum_steps:
-        raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
-                        f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
-    check_launch_args(args, world_size, device)
-    ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, args.arch) if ckpt_path else None
-    train_set, val_set, num_classes, example = check_datasets(build_datasets(args), args)
-    if len(train_set) < args.batch_size and not args.evaluate:
-        raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
-                        f"lower -b")
-    check_model(args, num_classes, example)
-    set_seed(args.seed)
-    model = build_model(args, num_classes)
-    if ckpt:
-        check_fit(ckpt_path, ckpt, model, args)
-    return train_set, val_set, model, ckpt_path, ckpt
-
-
-def load_spec(spec, flag):
-    """--arch or --dataset MODULE:FUNCTION: the function, imported from the current directory or PYTHONPATH."""
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name.isidentifier():
-        raise UserError(f"{flag} {spec!r}: give MODULE:FUNCTION, e.g. mymodels:tiny_cnn")
-    if os.getcwd() not in sys.path:  # `python script.py` puts the script's folder on the path, not the current one
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # not found, or its own code failing on import: the user's to fix either way
-        raise UserError(f"{flag} {spec}: cannot import {module_name} ({type(e).__name__}: {e}); put "
-                        f"{module_name.replace('.', '/')}.py in the current directory or on PYTHONPATH") from None
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise UserError(f"{flag} {spec}: {module_name} ({module.__file__}) has no function {name}")
-    return function
-
-
-def call_spec(spec, flag, *args, **kwargs):
-    """What the MODULE:FUNCTION of --arch or --dataset returns; its failure is one line that names it."""
-    function = load_spec(spec, flag)
-    try:
-        return function(*args, **kwargs)
-    except UserError:
-        raise
-    except Exception as e:
-        called = ", ".join([*("args" for _ in args), *(f"{k}={v}" for k, v in kwargs.items())])
-        raise UserError(f"{flag} {spec}: {spec.split(':')[1]}({called}) failed ({type(e).__name__}: "
-                        f"{str(e).strip()[:200]})") from None
-
-
-def class_count(dataset):
-    """The number of classes of a dataset: its num_classes, else the length of its classes (ImageFolder's)."""
-    count = getattr(dataset, "num_classes", None)
-    return len(dataset.classes) if count is None and getattr(dataset, "classes", None) is not None else count
-
-
-def check_datasets(sets, args):
-    """Refuses in one line what build_datasets returned (--dataset's function's, or your edit's) if training cannot
-    take it: two map-style, non-empty datasets whose items are (input tensor, integer label), a number of classes
-    (class_count), uint8 inputs that are 3xHxW images. Reads only the first validation item, whose input it
-    returns with the datasets and the number of classes: check_model runs the model on its shape."""
-    source = f"--dataset {args.dataset}" if args.dataset else "build_datasets"
-    if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
-        raise UserError(f"{source} returned a {type(sets).__name__}, not a pair (train_set, val_set)")
-    for split, data in zip(("train", "val"), sets):
-        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-            raise UserError(f"{source}: its {split} set, a {type(data).__name__}, is not a map-style dataset "
-                            f"(__len__ and __getitem__)")
-        if len(data) == 0:
-            raise UserError(f"{source}: its {split} set is empty")
-    num_classes = class_count(sets[0])
-    if not isinstance(num_classes, int) or num_classes < 1:
-        raise UserError(f"{source}: its train set has no number of classes: give it an attribute num_classes = N "
-                        f"(or classes, a list of N names), labels being 0 to N-1")
-    try:
-        item = sets[1][0]
-    except RankError:  # an unreadable image: the rank that reads it in evaluation says so
-        return (*sets, num_classes, None)
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"{source}: its val set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})") from None
-    if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
-        raise UserError(f"{source}: an item of its val set is {type(item).__name__} "
-                        f"{tuple(type(x).__name__ for x in item) if isinstance(item, (tuple, list)) else ''}, "
-                        f"not (input tensor, label)")
-    inputs, label = item
-    shape = "x".join(map(str, inputs.shape))
-    if inputs.dtype == torch.uint8 and (inputs.ndim != 3 or inputs.shape[0] != 3):
-        raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are RGB images "
-                        f"(3xHxW): give other data as float tensors")
-    label = label.item() if isinstance(label, torch.Tensor) and label.numel() == 1 else label
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_classes:
-        raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
-                        f"({num_classes - 1})")
-    return (*sets, num_classes, inputs)
-
-
-def check_model(args, num_classes=1000, example=None):
-    """Refuses, in one line and before any process waits for another, options the model does not take and inputs
-    it cannot train on: `example`, one input of the data (None: an image of --crop-size). One training forward
-    pass of the model built on the meta device (shapes without memory or arithmetic: 0.01-0.8 s) tells whether
-    the input fits and the logits are num_classes wide; only when a torchvision model (by name) fails on images,
-    more passes find the --crop-size to name: the only one a model built for one image size takes (vit_*,
-    maxvit_t), or the smallest one the others take (inception_v3 75, alexnet 63, vgg and convnext 32, ...).
-    Your own model (MODULE:FUNCTION, or your build_model) gets the first pass only."""
-    image = example is None or example.dtype == torch.uint8  # the Prefetcher makes uint8 images float
-    shape = (3, args.crop_size, args.crop_size) if example is None else tuple(example.shape)
-    dtype = torch.float32 if image else example.dtype
-    try:
-        with torch.device("meta"):
-            model = build_model(args, num_classes, load_weights=False).train()
-    except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
-        return  # they take any size
-    except UserError:
-        if ":" not in args.arch:
-            raise
-        return  # your function may need a real device to build: build_model says on the CPU if it fails there
-
-    def failure(size=None):
-        """Why a training forward pass of 2 inputs (images of size x size) fails; None if it works."""
-        try:
-            output = model(torch.empty(2, *(shape if size is None else (3, size, size)), dtype=dtype, device="meta"))
-        except NotImplementedError:  # an operation the meta device lacks: no verdict
-            return None
-        except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:  # shape checks
-            return str(e).strip().splitlines()[-1][:200]
-        if not isinstance(output, torch.Tensor):
-            return f"it returns {type(output).__name__}, not logits"
-        wide = "x".join(map(str, output.shape))
-        return None if tuple(output.shape) == (2, num_classes) else f"its logits are {wide}, not 2x{num_classes}"
-
-    reason = failure()
-    if reason is None:
-        return
-    if not (image and args.arch in MODEL_NAMES):
-        raise UserError(f"--arch {args.arch} does not take the data's inputs ({'x'.join(map(str, shape))} "
-                        f"{str(dtype).replace('torch.', '')}): {reason}")
-    weights = torchvision.models.get_model_weights(args.arch).DEFAULT
-    hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
-    fits = next((size for size in hints if size and failure(size) is None), None)
-    if fits is None:
-        raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason})")
-    if failure(fits + 1) is not None:
-        raise UserError(f"--arch {args.arch}{' --pretrained' if args.pretrained else ''} takes {fits}x{fits} images "
-                        f"only: use --crop-size {fits}")
-    low = fits - 1 if failure(fits - 1) else 0  # the smallest size that fits lies in (low, fits]; often it is the hint
-    while fits - low > 1:
-        middle = (low + fits) // 2
-        low, fits = (low, middle) if failure(middle) is None else (middle, fits)
-    if args.crop_size < fits:
-        raise UserError(f"--crop-size {args.crop_size} is too small for --arch {args.arch}: use at least {fits}")
-    raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
-
-
-def build_model(args, num_classes, load_weights=True):
-    """The model: an nn.Module that maps a batch of the data's inputs (on the device; images normalized floats)
-    to num_classes logits. Edit this and build_datasets for your own model and data, nothing else.
-    --arch MODULE:FUNCTION: your FUNCTION(num_classes=N) (and dropout=X with --dropout). Else a torchvision
-    model: --pretrained loads the default weights into every layer whose shape fits: all of them for 1000
-    classes; all but the classifier otherwise (fine-tuning); load_weights=False builds the model for them
-    without loading them (check_model)."""
-    options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
-    if ":" in args.arch:
-        model = call_spec(args.arch, "--arch", **options)
-        if not isinstance(model, torch.nn.Module):
-            raise UserError(f"--arch {args.arch} returned a {type(model).__name__}, not a torch.nn.Module")
-        return model
-    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
-    if args.arch in ("googlenet", "inception_v3"):
-        # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
-        # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
-        options.update(aux_logits=False, init_weights=True, transform_input=True)
-    if weights is not None and args.arch.startswith("vit_"):  # a ViT takes one image size: the one of its weights
-        options["image_size"] = weights.meta["min_size"][0]  # (518 for vit_h_14's)
-    try:
-        model = torchvision.models.get_model(args.arch, **options)
-    except TypeError as e:
-        raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
-    if weights is not None and load_weights:
-        try:
-            pretrained = weights.get_state_dict(progress=False)
-        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
-            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
-                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
-        own = model.state_dict()  # the auxiliary classifiers' weights have no place in it
-        model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape},
-                              strict=False)
-    return model
 
 
 def param_groups(model, args):
@@ -1112,224 +844,16 @@ def lr_factor(step, steps_per_epoch, args):
     return 0.1 ** (int(epoch) // args.lr_step)
 
 
-# --- The optimizer step: micro-batches, clipping, the weights' average, TF32, the profiler --
-def forward_backward(run, images, target, args, no_sync):
-    """Forward and backward over this process's batch in --grad-accum-steps micro-batches, the loss of each
-    divided by their number, so that the summed gradients are those of the whole batch. no_sync: the launcher's
-    context that holds back the all-reduce, entered for every micro-batch but the last. Returns the loss summed
-    over the batch (the training loss, label smoothing included), and the outputs."""
-    chunks, loss_sum, outputs = args.grad_accum_steps, 0, []
-    run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
-    with run.profiler.region("forward/backward"):
-        for i, (images_part, target_part) in enumerate(zip(images.chunk(chunks), target.chunk(chunks))):
-            with no_sync() if i < chunks - 1 else contextlib.nullcontext():
-                with torch.autocast(images.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
-                    output = run.train_model(images_part)
-                    loss = F.cross_entropy(output, target_part, label_smoothing=args.label_smoothing)
-                run.scaler.scale(loss / chunks).backward()
-            loss_sum = loss_sum + loss.detach().float() * target_part.numel()
-            outputs.append(output.detach().float())
-    return loss_sum, torch.cat(outputs)
+def class_count(dataset):
+    """The number of classes of a dataset: its num_classes, else the length of its classes (ImageFolder's)."""
+    count = getattr(dataset, "num_classes", None)
+    return len(dataset.classes) if count is None and getattr(dataset, "classes", None) is not None else count
 
 
-def optimizer_step(run, args):
-    """The step, once the gradients are all-reduced: --clip-grad-norm on the true gradients (unscaled first; the
-    optimizer's parameters, which are apex O2's fp32 master weights), the optimizer (the scaler skips a step with
-    an inf/NaN gradient), the learning-rate schedule and --model-ema. Returns 1 if it clipped (a device tensor)."""
-    clipped = 0
-    with run.profiler.region("optimizer"):
-        if args.clip_grad_norm:
-            run.scaler.unscale_(run.optimizer)
-            params = [p for group in run.optimizer.param_groups for p in group["params"]]
-            norm = torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's: a DTensor
-            clipped = (norm > args.clip_grad_norm).double()
-        run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
-        run.scaler.update()
-        run.scheduler.step()
-        if run.ema:
-            run.ema.update(run.model, run.scheduler.last_epoch)
-    return clipped
-
-
-class ModelEMA:
-    """--model-ema: an exponential moving average of the weights (parameters and BatchNorm statistics), updated
-    every --model-ema-steps optimizer steps as ema = decay * ema + (1 - decay) * weights (torch.optim.swa_utils'
-    EMA function). An fp32 copy of the model, whatever precision trains (apex O2: the average of the fp32 master
-    weights). Every rank updates its own from the same all-reduced weights; BatchNorm statistics differ per rank
-    and become rank 0's with sync_buffers, as the model's do, before it is evaluated and saved."""
-
-    def __init__(self, model, args):
-        self.module = copy.deepcopy(model).float().eval().requires_grad_(False)
-        self.every, self.average = args.model_ema_steps, swa_utils.get_ema_multi_avg_fn(args.model_ema_decay)
-
-    @torch.no_grad()
-    def update(self, model, step):
-        if step % self.every == 0:
-            mine, theirs = self.module.state_dict(), model.state_dict()
-            floats = [key for key, value in mine.items() if value.is_floating_point()]
-            self.average([mine[key] for key in floats], [theirs[key].float() for key in floats], None)
-            for key in mine.keys() - set(floats):  # BatchNorm's batch counts
-                mine[key].copy_(theirs[key])
-
-    def load(self, state, model, log):
-        """The checkpoint's average; a checkpoint without one starts it from the model's resumed weights."""
-        if state is None:
-            log("note: the checkpoint has no --model-ema average: it starts from the resumed weights")
-        self.module.load_state_dict(model.state_dict() if state is None else state)
-
-
-def set_tf32(args, device, log):
-    """TF32: fp32 matmuls and convolutions on the tensor cores of Ampere and newer GPUs, with fp32's range and a
-    10-bit mantissa (as fp16's): several times faster, and accurate enough to train with. On unless --no-tf32;
-    the legacy switches, which every torch release since 1.7 knows."""
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not args.no_tf32
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
-        log(f"TF32: not on {'this GPU (before Ampere)' if device.type == 'cuda' else 'the CPU'}: full fp32")
-    else:
-        log("TF32: off (--no-tf32): full fp32" if args.no_tf32 else
-            "TF32: on for fp32 matmuls and convolutions (--no-tf32 turns it off)")
-
-
-def span_union(spans):
-    """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""
-    merged = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def span_common(spans, others):
-    """The pieces of time that `spans` and `others` share (one pass over both, sorted)."""
-    mine, theirs, common, i, j = span_union(spans), span_union(others), [], 0, 0
-    while i < len(mine) and j < len(theirs):
-        start, end = max(mine[i][0], theirs[j][0]), min(mine[i][1], theirs[j][1])
-        if end > start:
-            common.append((start, end))
-        i, j = (i + 1, j) if mine[i][1] < theirs[j][1] else (i, j + 1)
-    return common
-
-
-class StepProfiler:
-    """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (compilation, cuDNN's search,
-    the allocator; fewer when the run is too short for both), on rank 0, or on every rank with --profile-all-ranks.
-    Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler
-    plugin open it) and logs where the step time went. While it records, each part of a step waits for the GPU
-    at its end, so that every part is timed where it runs."""
-    WARMUP = 5
-
-    def __init__(self, args, rank, device, log, steps_per_epoch):
-        benchmark = getattr(args, "benchmark", 0)
-        total = benchmark + max(benchmark // 10, 1) if benchmark else steps_per_epoch * args.epochs
-        self.steps = min(args.profile or 0, total)
-        self.device, self.log, self.profiler, self.done = device, log, None, 0
-        self.path = os.path.join(args.output_dir, "profile", f"rank{rank}.pt.trace.json")
-        wanted = self.steps and (rank == 0 or args.profile_all_ranks)
-        self.skip = min(self.WARMUP, total - self.steps) if wanted else math.inf
-
-    def region(self, name):
-        """A named part of the step, recorded (and waited for on the GPU) while the profiler records."""
-        return self._recorded(name) if self.profiler else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _recorded(self, name):
-        with torch.profiler.record_function(name):
-            yield
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-
-    def timed(self, batches):
-        """The batches; a recorded step lasts from the wait for its batch to the request for the next."""
-        batches = iter(batches)
-        while True:
-            if self.skip == 0:
-                cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
-                self.profiler.start()
-            self.skip -= 1
-            with self.region("train step"):
-                with self.region("data wait"):
-                    batch = next(batches, None)
-                if batch is None:
-                    return
-                yield batch
-            self.done += self.profiler is not None
-            if self.profiler and self.done == self.steps:
-                self._finish()
-
-    def _finish(self):
-        profiler, self.profiler, self.skip = self.profiler, None, math.inf
-        profiler.stop()
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        profiler.export_chrome_trace(self.path)
-        self.log(f"profile: {self.summary(profiler.events())}; trace in {self.path}")
-
-    def summary(self, events):
-        """Where the step time went, in ms per step, the parts adding up to the step: the wait for the batch,
-        forward/backward, the all-reduce time that computation did not hide (DDP: collectives within backward
-        while no computation ran; Horovod: its region "all-reduce", the wait for them), the optimizer step, and
-        the rest (Python, metrics, the preemption check)."""
-        spans, main, on_gpu = {}, {e.thread for e in events if e.name == "train step"}, self.device.type == "cuda"
-        for e in events:
-            spans.setdefault(e.name, []).append((e.time_range.start, e.time_range.end))
-        steps = [s for s in spans.get("train step", []) if span_common([s], spans.get("forward/backward", []))]
-
-        def place(e):  # the GPU, the training thread, or another thread (gloo's)
-            return "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "main" if e.thread in main else "other"
-
-        def length(pieces):
-            return sum(end - start for start, end in pieces)
-
-        # communication: NCCL's kernels on the GPU, gloo's work on its threads; computation: the other kernels on
-        # the GPU, the operators of the training thread on the CPU
-        comm = [(e.time_range.start, e.time_range.end) for e in events
-                if e.name.startswith(("gloo:", "nccl")) and place(e) == ("gpu" if on_gpu else "other")]
-        compute = [(e.time_range.start, e.time_range.end) for e in events if not e.name.startswith(("gloo:", "nccl"))
-                   and (place(e) == "gpu" if on_gpu else place(e) == "main" and e.name.startswith("aten::"))]
-        comm_in_backward = span_common(comm, spans.get("forward/backward", []))
-        exposed = length(comm_in_backward) - length(span_common(comm_in_backward, compute))
-        n = max(len(steps), 1)
-        parts = {name: length(span_common(spans.get(name, []), steps)) / n
-                 for name in ("data wait", "forward/backward", "all-reduce", "optimizer")}  # "all-reduce": Horovod's
-        parts["forward/backward"] -= exposed / n
-        parts["all-reduce"] += exposed / n
-        parts["other"] = length(span_union(steps)) / n - sum(parts.values())
-        count = sum(1 for e in events if e.name == "c10d::allreduce_" and e.thread in main
-                    and span_common([(e.time_range.start, e.time_range.start + 1e-3)], steps))
-        return (f"{len(steps)} steps, {length(span_union(steps)) / n / 1e3:.1f} ms each = "
-                + " + ".join(f"{name} {ms / 1e3:.1f}" for name, ms in parts.items())
-                + f" ms; {count / n:g} all-reduces per step")
-
-
-# --- Data: decoding and cropping in loader workers, samplers, the device prefetcher --------
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
+
+
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-class SyntheticImages(Dataset):
-    """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
-    its own noise; image i is the same on every call, rank and run."""
-
-    def __init__(self, size, num_classes, image_size, transform, offset=0):
-        self.size, self.num_classes, self.image_size = size, num_classes, image_size
-        self.transform, self.offset = transform, offset
-        g = torch.Generator().manual_seed(12345)
-        self.colours = torch.rand(num_classes, 3, 1, 1, generator=g) * 160 + 48
-        self.classes = [f"class{k}" for k in range(num_classes)]
-
-    def __len__(self):
-        return self.size
-
-    def __getitem__(self, index):
-        target = index % self.num_classes
-        g = torch.Generator().manual_seed(self.offset + index)
-        wave = torch.sin(torch.arange(self.image_size) * (target % 5 + 1) * math.pi / 8) * 24
-        stripes = wave[:, None] if target % 2 else wave[None, :]
-        img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
-        return self.transform(img.clamp(0, 255).to(torch.uint8)), target
 
 
 def load_image(path):
@@ -1346,120 +870,16 @@ def load_image(path):
         raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
-class RandomResizedCropFlip:
-    """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step. The same draws in
-    distribution: a crop of a uniform share `scale` of the image's area with a log-uniform aspect
-    ratio in `ratio`, up to 10 tries, else v2's central fallback crop; a flip with probability 1/2.
-    They come from torch's RNG in one call instead of five or more. A uint8 tensor (load_image's
-    output) is cut into channels-last memory order, the order decode_jpeg leaves and the one torch
-    resizes fastest, then resized by the kernel v2 uses (bilinear, antialiased); a PIL image goes
-    through v2.functional. Not an nn.Module or v2.Compose: in a worker, right after a decode has
-    flushed the CPU caches, their Python machinery and separate RNG calls cost almost as much as the
-    resize itself (benchmarks/input_pipeline.py)."""
-
-    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-        self.size, self.scale, self.ratio = [size, size], scale, ratio
-
-    def params(self, height, width):
-        """(top, left, crop height, crop width, flip) for an image of this size."""
-        u = torch.rand(23).tolist()
-        (smin, smax), (rmin, rmax) = self.scale, self.ratio
-        for k in range(0, 20, 2):
-            area = height * width * (smin + (smax - smin) * u[k])
-            aspect = rmin * (rmax / rmin) ** u[k + 1]
-            w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-            if 0 < w <= width and 0 < h <= height:
-                return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w, u[22] < 0.5
-        w, h = width, height  # v2's fallback: the whole image, trimmed to the nearest allowed aspect ratio
-        if width / height < rmin:
-            h = round(width / rmin)
-        elif width / height > rmax:
-            w = round(height * rmax)
-        return (height - h) // 2, (width - w) // 2, h, w, u[22] < 0.5
-
-    def __call__(self, image):
-        fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
-        top, left, height, width, flip = self.params(*(image.shape[1:] if fast else v2.functional.get_size(image)))
-        if fast:
-            crop = image[:, top:top + height, left:left + width].unsqueeze(0)
-            crop = crop.contiguous(memory_format=torch.channels_last)
-            image = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
-        else:
-            image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
-        return v2.functional.horizontal_flip(image) if flip else image
-
-
 def collate(samples):
     """The loaders' collate_fn: default_collate on the images' HxWxC views, so that each uint8 image is
     copied into the batch in the order it lies in memory (channels last, as decode_jpeg and the crop
     leave it) instead of transposed, about 4x cheaper. The batch is NxCxHxW with channels-last strides;
     the Prefetcher puts it into the model's memory format on the device. Other inputs: default_collate."""
-    check_items(samples)
+    check_items(samples)  # [safety]
     if samples[0][0].dtype != torch.uint8:
         return default_collate(samples)
     images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
     return images.permute(0, 3, 1, 2), labels
-
-
-def check_items(samples):
-    """One line, from the rank whose loader met them, for items that cannot make one batch: check_datasets read
-    a single item, and a dataset may return others unlike it (a row cut short, an image of another size)."""
-    kinds = sorted({f"{'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}"
-                    if isinstance(x, torch.Tensor) else type(x).__name__
-                    for x, *_ in (s if isinstance(s, (tuple, list)) else (s,) for s in samples)})
-    if len(kinds) > 1 or not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
-        raise RankError(f"the data's items differ within a batch (inputs {', '.join(kinds[:3])}), or are not "
-                        f"(input, label) pairs: every item's input must have one shape and dtype; crop or pad it in "
-                        f"the dataset")
-
-
-def build_datasets(args):
-    """(train set, validation set): edit this and build_model for your own data and model, nothing else.
-    Map-style datasets of (input, label): an integer label from 0 to N-1, N the train set's num_classes (or
-    len(classes)); an input is a uint8 RGB image, 3xHxW, which the Prefetcher normalizes on the device, or a
-    tensor of any other dtype and shape, which reaches the model unchanged (check_datasets). Here: ImageFolder
-    or --dummy, whose workers decode and crop; --dataset MODULE:FUNCTION: FUNCTION(args), its uint8 images
-    cropped as ImageFolder's are (ImageCrops)."""
-    train_tf = RandomResizedCropFlip(args.crop_size)
-    val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
-    if args.dataset:
-        sets = call_spec(args.dataset, "--dataset", args)
-        if isinstance(sets, (tuple, list)) and len(sets) == 2 and all(hasattr(d, "__getitem__") for d in sets):
-            sets = [ImageCrops(data, tf) for data, tf in zip(sets, (train_tf, val_tf))]
-        return sets
-    if args.dummy:
-        return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),
-                SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))
-    if not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
-    sets = []
-    for split, tf in (("train", train_tf), ("val", val_tf)):
-        root = os.path.join(args.data, split)
-        if not os.path.isdir(root):
-            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
-        try:
-            sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
-        except FileNotFoundError as e:
-            raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs at least one image") from None
-    if sets[0].classes != sets[1].classes:
-        raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")
-    return sets
-
-
-class ImageCrops(Dataset):
-    """A --dataset's set, its uint8 images cropped by `transform` (--crop-size, as ImageFolder's); any other input
-    passes unchanged. Its number of classes is the dataset's."""
-
-    def __init__(self, dataset, transform):
-        self.dataset, self.transform, self.num_classes = dataset, transform, class_count(dataset)
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        inputs, label = self.dataset[index]
-        fits = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8 and inputs.ndim == 3
-        return (self.transform(inputs) if fits else inputs), label
 
 
 def build_loaders(args, train_set, val_set, rank, world_size, device):
@@ -1508,6 +928,14 @@ def start_loader_worker(worker_id):
     die_with_parent(signal.SIGKILL)
     report = sys.excepthook
     sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
+
+
+def die_with_parent(signum):
+    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
+    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
+    training process save its preemption checkpoint on the way out."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
 
 
 def end_loader_workers():
@@ -1610,7 +1038,6 @@ class Prefetcher:
             yield batch
 
 
-# --- Metrics and logs ----------------------------------------------------------------------
 def accuracy(output, target, topk=(1, 5)):
     """How many samples have their target among the top-k outputs, for each k (a device tensor)."""
     maxk = min(max(topk), output.size(1))
@@ -1648,53 +1075,6 @@ def print_or_drop(*values):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def write_epoch(row, writer, output_dir):
-    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    for key, value in row.items():
-        if key != "epoch":
-            writer.add_scalar(key, value, row["epoch"])
-    writer.flush()
-
-
-def benchmark(run, preemption, args, world_size, log, val_set):
-    """--benchmark: the model, the step and the all-reduce without the input pipeline, on synthetic batches
-    already on the device: this hardware's training speed. Images of --crop-size; with your own data (--dataset,
-    inputs other than uint8 images), the first validation input repeated."""
-    device, local_batch = next(run.model.parameters()).device, args.batch_size // world_size
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    example = val_set[0][0] if args.dataset else None
-    if example is None or example.dtype == torch.uint8:
-        images = torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device)
-    else:
-        images = example.to(device).expand(local_batch, *example.shape).clone()
-    batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
-    for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
-        started = time.time()
-        train = train_one_epoch(run, [batch] * steps, preemption, args, log, False)
-        if train is None:
-            return
-    log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "
-        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}; "
-        f"{memory_use(run, device)}")
-
-
-def memory_use(run, device):
-    """This process's memory: what it holds of the weights, their gradients and the optimizer state (a sharded
-    model's shards only), and its peak: the GPU's allocations, or on the CPU the whole process (Python too)."""
-    params = list(run.model.parameters())
-    state = [value for per_param in run.optimizer.state.values() for value in per_param.values()
-             if isinstance(value, torch.Tensor)]
-    held = sum(getattr(t, "_local_tensor", t).nbytes for t in [*params, *(p.grad for p in params), *state]
-               if t is not None)  # a DTensor's _local_tensor: this rank's shard
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
-    return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
-
-
-# --- Checkpoint files and random states ----------------------------------------------------
-# in --output-dir: the file --resume auto takes
 CHECKPOINT = "checkpoint.pth.tar"
 
 
@@ -1741,36 +1121,6 @@ def atomic_write(path, write):
         os.close(dir_fd)
 
 
-def claim_output_dir(args, rank, log):
-    """Rank 0 of a training run makes --output-dir and locks it until it ends, so that a second run given the
-    same folder stops at once instead of writing over this one's checkpoints. The lock is the kernel's (lockf):
-    a run that crashed or was killed holds it no more. Returns the open lock file, None on other ranks."""
-    if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
-        return None
-    path = os.path.join(args.output_dir, "run.lock")
-    try:
-        os.makedirs(args.output_dir, exist_ok=True)
-        lock = open(path, "a+")
-    except OSError as e:
-        what = "a file of that name is in the way" if isinstance(e, FileExistsError) else e.strerror
-        raise UserError(f"--output-dir {args.output_dir} cannot be used ({what}): give a folder this user can "
-                        f"write to") from None
-    try:
-        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except (BlockingIOError, PermissionError):
-        lock.seek(0)
-        holder = lock.read().strip() or "a process on another node"
-        lock.close()
-        raise UserError(f"--output-dir {args.output_dir} is in use by another run ({holder}): give another "
-                        f"--output-dir, or wait for that run to end") from None
-    except OSError as e:  # a filesystem without locks
-        log(f"note: cannot lock --output-dir {args.output_dir} ({e.strerror}); make sure no other run uses it")
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    lock.flush()
-    return lock
-
-
 def tensor_bytes(obj):
     """Bytes of all the tensors in a nested state dict: about the size of its file."""
     if isinstance(obj, torch.Tensor):
@@ -1784,6 +1134,7 @@ def save_checkpoint(state, is_best, output_dir):
     gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
     path = os.path.join(output_dir, CHECKPOINT)
     try:
+        os.makedirs(output_dir, exist_ok=True)
         atomic_write(path, lambda f: torch.save(state, f))
         if is_best:
             with open(path, "rb") as src:
@@ -1823,27 +1174,602 @@ def read_checkpoint(path):
                         f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
 
 
-def load_checkpoint(path, arch):
-    """The checkpoint, checked to be a training checkpoint of --arch, its weights without a wrapper's prefix."""
+def load_checkpoint(path):
+    """The checkpoint, checked to be a training checkpoint, its weights without a wrapper's prefix."""
     ckpt = read_checkpoint(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
-    if ckpt.get("arch", arch) not in MODEL_NAMES and ":" not in str(ckpt.get("arch")):
-        raise UserError(f"{path} holds a {ckpt['arch']} model, not a torchvision classification model: it is "
-                        f"another script's checkpoint; resume it with that script")
-    if ckpt.get("arch", arch) != arch:
-        raise UserError(f"{path} holds a {ckpt['arch']} model, not {arch}: pass -a {ckpt['arch']} or another "
-                        f"checkpoint")
     # a DDP or DataParallel wrapper's prefix, torch.compile's (nanoGPT saves it), or both in either order
     for prefix in ("module.", "_orig_mod.", "module."):
         consume_prefix_in_state_dict_if_present(ckpt["state_dict"], prefix)
     return ckpt
 
 
+# =============================================================================================
+# Part 2, features: one block each, for the flags its first line names. Keep what you use; delete a block
+# whole by its markers (the docstring says how).
+# =============================================================================================
+
+
+# region [ema] -------------------------------------------------------------------------------------
+# --model-ema, --model-ema-decay, --model-ema-steps: an average of the weights, evaluated and saved too
+class ModelEMA:
+    """--model-ema: an exponential moving average of the weights (parameters and BatchNorm statistics), updated
+    every --model-ema-steps optimizer steps as ema = decay * ema + (1 - decay) * weights (torch.optim.swa_utils'
+    EMA function). An fp32 copy of the model, whatever precision trains (apex O2: the average of the fp32 master
+    weights). Every rank updates its own from the same all-reduced weights; BatchNorm statistics differ per rank
+    and become rank 0's with sync_buffers, as the model's do, before it is evaluated and saved."""
+
+    def __init__(self, model, args):
+        self.module = copy.deepcopy(model).float().eval().requires_grad_(False)
+        self.every, self.average = args.model_ema_steps, swa_utils.get_ema_multi_avg_fn(args.model_ema_decay)
+
+    @torch.no_grad()
+    def update(self, model, step):
+        if step % self.every == 0:
+            mine, theirs = self.module.state_dict(), model.state_dict()
+            floats = [key for key, value in mine.items() if value.is_floating_point()]
+            self.average([mine[key] for key in floats], [theirs[key].float() for key in floats], None)
+            for key in mine.keys() - set(floats):  # BatchNorm's batch counts
+                mine[key].copy_(theirs[key])
+
+    def load(self, state, model, log):
+        """The checkpoint's average; a checkpoint without one starts it from the model's resumed weights."""
+        if state is None:
+            log("note: the checkpoint has no --model-ema average: it starts from the resumed weights")
+        self.module.load_state_dict(model.state_dict() if state is None else state)
+# endregion [ema]
+
+
+# region [profile] ---------------------------------------------------------------------------------
+# --profile, --profile-all-ranks: where the step time goes
+def span_union(spans):
+    """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def span_common(spans, others):
+    """The pieces of time that `spans` and `others` share (one pass over both, sorted)."""
+    mine, theirs, common, i, j = span_union(spans), span_union(others), [], 0, 0
+    while i < len(mine) and j < len(theirs):
+        start, end = max(mine[i][0], theirs[j][0]), min(mine[i][1], theirs[j][1])
+        if end > start:
+            common.append((start, end))
+        i, j = (i + 1, j) if mine[i][1] < theirs[j][1] else (i, j + 1)
+    return common
+
+
+class StepProfiler:
+    """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (compilation, cuDNN's search,
+    the allocator; fewer when the run is too short for both), on rank 0, or on every rank with --profile-all-ranks.
+    Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler
+    plugin open it) and logs where the step time went. While it records, each part of a step waits for the GPU
+    at its end, so that every part is timed where it runs."""
+    WARMUP = 5
+
+    def __init__(self, run, args, rank, log, steps_per_epoch):
+        benchmark = getattr(args, "benchmark", 0)
+        total = benchmark + max(benchmark // 10, 1) if benchmark else steps_per_epoch * args.epochs
+        self.steps = min(args.profile or 0, total)
+        self.device, self.log, self.profiler, self.done = next(run.model.parameters()).device, log, None, 0
+        self.path = os.path.join(args.output_dir, "profile", f"rank{rank}.pt.trace.json")
+        self.part_recorded = None  # the part of the step being recorded now
+        wanted = self.steps and (rank == 0 or args.profile_all_ranks)
+        self.skip = min(self.WARMUP, total - self.steps) if wanted else math.inf
+        if wanted:  # the parts of a step begin at the first forward and at the optimizer's step, seen by hooks
+            run.train_model.register_forward_pre_hook(lambda *_: self.part("forward/backward", first=True))
+            run.optimizer.register_step_pre_hook(lambda *_: self.part("optimizer"))
+            run.optimizer.register_step_post_hook(lambda *_: self.part(None))
+
+    def part(self, name, first=False):
+        """While the profiler records: ends the part of the step being recorded (waiting for the GPU to finish it),
+        and begins the part `name` (none: None). first: only if no part is being recorded (the forward of a later
+        micro-batch belongs to the part its first began)."""
+        if self.profiler is None or (first and self.part_recorded):
+            return
+        if self.part_recorded:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.part_recorded.__exit__(None, None, None)
+        self.part_recorded = name and torch.profiler.record_function(name).__enter__()
+
+    def region(self, name):
+        """A named stretch around the step, recorded (and waited for on the GPU) while the profiler records."""
+        return self._recorded(name) if self.profiler else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _recorded(self, name):
+        with torch.profiler.record_function(name):
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    def timed(self, batches):
+        """The batches; a recorded step lasts from the wait for its batch to the request for the next."""
+        if self.skip == math.inf:
+            return batches
+        return self._timed(iter(batches))
+
+    def _timed(self, batches):
+        while True:
+            if self.skip == 0:
+                cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
+                self.profiler.start()
+            self.skip -= 1
+            with self.region("train step"):
+                with self.region("data wait"):
+                    batch = next(batches, None)
+                if batch is None:
+                    return
+                yield batch
+                self.part(None)
+            self.done += self.profiler is not None
+            if self.profiler and self.done == self.steps:
+                self._finish()
+
+    def _finish(self):
+        profiler, self.profiler, self.skip = self.profiler, None, math.inf
+        profiler.stop()
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        profiler.export_chrome_trace(self.path)
+        self.log(f"profile: {self.summary(profiler.events())}; trace in {self.path}")
+
+    def summary(self, events):
+        """Where the step time went, in ms per step, the parts adding up to the step: the wait for the batch,
+        forward/backward, the all-reduce time that computation did not hide (DDP: collectives within backward
+        while no computation ran; Horovod: its region "all-reduce", the wait for them), the optimizer step, and
+        the rest (Python, metrics, the preemption check)."""
+        spans, main, on_gpu = {}, {e.thread for e in events if e.name == "train step"}, self.device.type == "cuda"
+        for e in events:
+            spans.setdefault(e.name, []).append((e.time_range.start, e.time_range.end))
+        steps = [s for s in spans.get("train step", []) if span_common([s], spans.get("forward/backward", []))]
+
+        def place(e):  # the GPU, the training thread, or another thread (gloo's)
+            return "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "main" if e.thread in main else "other"
+
+        def length(pieces):
+            return sum(end - start for start, end in pieces)
+
+        # communication: NCCL's kernels on the GPU, gloo's work on its threads; computation: the other kernels on
+        # the GPU, the operators of the training thread on the CPU
+        comm = [(e.time_range.start, e.time_range.end) for e in events
+                if e.name.startswith(("gloo:", "nccl")) and place(e) == ("gpu" if on_gpu else "other")]
+        compute = [(e.time_range.start, e.time_range.end) for e in events if not e.name.startswith(("gloo:", "nccl"))
+                   and (place(e) == "gpu" if on_gpu else place(e) == "main" and e.name.startswith("aten::"))]
+        comm_in_backward = span_common(comm, spans.get("forward/backward", []))
+        exposed = length(comm_in_backward) - length(span_common(comm_in_backward, compute))
+        n = max(len(steps), 1)
+        parts = {name: length(span_common(spans.get(name, []), steps)) / n
+                 for name in ("data wait", "forward/backward", "all-reduce", "optimizer")}  # "all-reduce": Horovod's
+        parts["forward/backward"] -= exposed / n
+        parts["all-reduce"] += exposed / n
+        parts["other"] = length(span_union(steps)) / n - sum(parts.values())
+        count = sum(1 for e in events if e.name == "c10d::allreduce_" and e.thread in main
+                    and span_common([(e.time_range.start, e.time_range.start + 1e-3)], steps))
+        return (f"{len(steps)} steps, {length(span_union(steps)) / n / 1e3:.1f} ms each = "
+                + " + ".join(f"{name} {ms / 1e3:.1f}" for name, ms in parts.items())
+                + f" ms; {count / n:g} all-reduces per step")
+# endregion [profile]
+
+
+# region [benchmark] -------------------------------------------------------------------------------
+# --benchmark N: the training speed without the input pipeline
+def benchmark(run, args, world_size, log, val_set):
+    """--benchmark: the model, the step and the all-reduce without the input pipeline, on synthetic batches
+    already on the device: this hardware's training speed. Images of --crop-size; with your own data (--dataset,
+    inputs other than uint8 images), the first validation input repeated."""
+    device, local_batch = next(run.model.parameters()).device, args.batch_size // world_size
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    example = val_set[0][0]
+    if example.dtype == torch.uint8:
+        images = torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device)
+    else:
+        images = example.to(device).expand(local_batch, *example.shape).clone()
+    batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
+    for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
+        started = time.time()
+        train = train_one_epoch(run, [batch] * steps, args, log, False)
+        if train is None:
+            return
+    log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "
+        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}; "
+        f"{memory_use(run, device)}")
+
+
+def memory_use(run, device):
+    """This process's memory: what it holds of the weights, their gradients and the optimizer state (a sharded
+    model's shards only), and its peak: the GPU's allocations, or on the CPU the whole process (Python too)."""
+    params = list(run.model.parameters())
+    state = [value for per_param in run.optimizer.state.values() for value in per_param.values()
+             if isinstance(value, torch.Tensor)]
+    held = sum(getattr(t, "_local_tensor", t).nbytes for t in [*params, *(p.grad for p in params), *state]
+               if t is not None)  # a DTensor's _local_tensor: this rank's shard
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+    return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
+# endregion [benchmark]
+
+
+# region [preemption] ------------------------------------------------------------------------------
+# SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
+class Preemption:
+    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
+    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
+
+    def __init__(self, group):
+        self.group, self.requested, self.signum, self.wait = group, False, None, None
+        self.flag = torch.zeros(1)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested, self.signum = True, signum
+
+    def agreed(self):
+        """Called by every rank at every step: True on all ranks at the same step."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.wait is not None:
+            self.wait()
+            stop = self.flag.item() > 0
+        self.flag.fill_(float(self.requested))
+        self.wait = None if stop else sum_async(self.flag, self.group)
+        return stop
+
+    def agreed_now(self):
+        """Blocking agreement, at the end of an epoch."""
+        if self.group is None:
+            return self.requested
+        if self.wait is not None:
+            self.wait()
+        self.flag.fill_(float(self.requested))
+        sum_async(self.flag, self.group)()
+        self.wait = None
+        return self.flag.item() > 0
+
+    def stop(self, run, args, rank, log, where, saved=False):
+        """Every rank: saves where the run stopped, unless it just did; returns the signal that stopped it."""
+        if not saved:
+            run.save(args, rank, is_best=False)
+        log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} {where}; continue with --resume auto")
+        return self.signum
+# endregion [preemption]
+
+
+# region [tf32] ------------------------------------------------------------------------------------
+# --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs
+def set_tf32(args, device, log):
+    """TF32: fp32 matmuls and convolutions on the tensor cores of Ampere and newer GPUs, with fp32's range and a
+    10-bit mantissa (as fp16's): several times faster, and accurate enough to train with. On unless --no-tf32;
+    the legacy switches, which every torch release since 1.7 knows."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not args.no_tf32
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        log(f"TF32: not on {'this GPU (before Ampere)' if device.type == 'cuda' else 'the CPU'}: full fp32")
+    else:
+        log("TF32: off (--no-tf32): full fp32" if args.no_tf32 else
+            "TF32: on for fp32 matmuls and convolutions (--no-tf32 turns it off)")
+# endregion [tf32]
+
+
+# region [dummy] -----------------------------------------------------------------------------------
+# --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
+class SyntheticImages(Dataset):
+    """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
+    its own noise; image i is the same on every call, rank and run."""
+
+    def __init__(self, size, num_classes, image_size, transform, offset=0):
+        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+        self.transform, self.offset = transform, offset
+        g = torch.Generator().manual_seed(12345)
+        self.colours = torch.rand(num_classes, 3, 1, 1, generator=g) * 160 + 48
+        self.classes = [f"class{k}" for k in range(num_classes)]
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        target = index % self.num_classes
+        g = torch.Generator().manual_seed(self.offset + index)
+        wave = torch.sin(torch.arange(self.image_size) * (target % 5 + 1) * math.pi / 8) * 24
+        stripes = wave[:, None] if target % 2 else wave[None, :]
+        img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
+        return self.transform(img.clamp(0, 255).to(torch.uint8)), target
+# endregion [dummy]
+
+
+# region [fast-crop] -------------------------------------------------------------------------------
+# the training crop in one step, faster than torchvision's v2 transforms
+class RandomResizedCropFlip:
+    """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step. The same draws in
+    distribution: a crop of a uniform share `scale` of the image's area with a log-uniform aspect
+    ratio in `ratio`, up to 10 tries, else v2's central fallback crop; a flip with probability 1/2.
+    They come from torch's RNG in one call instead of five or more. A uint8 tensor (load_image's
+    output) is cut into channels-last memory order, the order decode_jpeg leaves and the one torch
+    resizes fastest, then resized by the kernel v2 uses (bilinear, antialiased); a PIL image goes
+    through v2.functional. Not an nn.Module or v2.Compose: in a worker, right after a decode has
+    flushed the CPU caches, their Python machinery and separate RNG calls cost almost as much as the
+    resize itself (benchmarks/input_pipeline.py)."""
+
+    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+        self.size, self.scale, self.ratio = [size, size], scale, ratio
+
+    def params(self, height, width):
+        """(top, left, crop height, crop width, flip) for an image of this size."""
+        u = torch.rand(23).tolist()
+        (smin, smax), (rmin, rmax) = self.scale, self.ratio
+        for k in range(0, 20, 2):
+            area = height * width * (smin + (smax - smin) * u[k])
+            aspect = rmin * (rmax / rmin) ** u[k + 1]
+            w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w, u[22] < 0.5
+        w, h = width, height  # v2's fallback: the whole image, trimmed to the nearest allowed aspect ratio
+        if width / height < rmin:
+            h = round(width / rmin)
+        elif width / height > rmax:
+            w = round(height * rmax)
+        return (height - h) // 2, (width - w) // 2, h, w, u[22] < 0.5
+
+    def __call__(self, image):
+        fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
+        top, left, height, width, flip = self.params(*(image.shape[1:] if fast else v2.functional.get_size(image)))
+        if fast:
+            crop = image[:, top:top + height, left:left + width].unsqueeze(0)
+            crop = crop.contiguous(memory_format=torch.channels_last)
+            image = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
+        else:
+            image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
+        return v2.functional.horizontal_flip(image) if flip else image
+# endregion [fast-crop]
+
+
+# region [spec] ------------------------------------------------------------------------------------
+# --arch and --dataset MODULE:FUNCTION: your own model and data without editing this file
+def load_spec(spec, flag):
+    """--arch or --dataset MODULE:FUNCTION: the function, imported from the current directory or PYTHONPATH."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name.isidentifier():
+        raise UserError(f"{flag} {spec!r}: give MODULE:FUNCTION, e.g. mymodels:tiny_cnn")
+    if os.getcwd() not in sys.path:  # `python script.py` puts the script's folder on the path, not the current one
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # not found, or its own code failing on import: the user's to fix either way
+        raise UserError(f"{flag} {spec}: cannot import {module_name} ({type(e).__name__}: {e}); put "
+                        f"{module_name.replace('.', '/')}.py in the current directory or on PYTHONPATH") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UserError(f"{flag} {spec}: {module_name} ({module.__file__}) has no function {name}")
+    return function
+
+
+def call_spec(spec, flag, *args, **kwargs):
+    """What the MODULE:FUNCTION of --arch or --dataset returns; its failure is one line that names it."""
+    function = load_spec(spec, flag)
+    try:
+        return function(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:
+        called = ", ".join([*("args" for _ in args), *(f"{k}={v}" for k, v in kwargs.items())])
+        raise UserError(f"{flag} {spec}: {spec.split(':')[1]}({called}) failed ({type(e).__name__}: "
+                        f"{str(e).strip()[:200]})") from None
+
+
+class ImageCrops(Dataset):
+    """A --dataset's set, its uint8 images cropped by `transform` (--crop-size, as ImageFolder's); any other input
+    passes unchanged. Its number of classes is the dataset's."""
+
+    def __init__(self, dataset, transform):
+        self.dataset, self.transform, self.num_classes = dataset, transform, class_count(dataset)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        inputs, label = self.dataset[index]
+        fits = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8 and inputs.ndim == 3
+        return (self.transform(inputs) if fits else inputs), label
+# endregion [spec]
+
+
+# region [logs] ------------------------------------------------------------------------------------
+# metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
+def open_writer(args, rank, epoch):
+    """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
+    further are purged); None on other ranks."""
+    if rank != 0:
+        return None
+    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
+    atexit.register(writer.close)
+    return writer
+
+
+def write_epoch(row, writer, output_dir):
+    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items():
+        if key != "epoch":
+            writer.add_scalar(key, value, row["epoch"])
+    writer.flush()
+# endregion [logs]
+
+
+# =============================================================================================
+# Part 3, the safety net: checks before training, and a failure anywhere made one line that names the fix.
+# Keep it, or delete it whole: its region and every line tagged [safety].
+# =============================================================================================
+
+
+# region [safety] ----------------------------------------------------------------------------------
+MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_args(args):
+    """What no single flag's range says: the flags together, and the model's name. With the ranges in
+    parse_args, every value is checked here, right after parsing, before any process waits for another."""
+    if ":" not in args.arch and args.arch not in MODEL_NAMES:
+        raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
+                        f"(torchvision.models.list_models() has {len(MODEL_NAMES)}), or your own as MODULE:FUNCTION")
+    if ":" in args.arch:  # [spec]
+        load_spec(args.arch, "--arch")  # [spec]
+    if args.dummy and args.dataset:  # [dummy] [spec]
+        raise UserError("--dummy and --dataset both name the data: give one of them")  # [dummy] [spec]
+    if args.pretrained and ":" in args.arch:
+        raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own model: load "
+                        f"its weights inside {args.arch.split(':')[-1]}, or drop --pretrained")
+    if args.epochs == 0 and not (args.evaluate or getattr(args, "benchmark", 0)):
+        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+    if args.val_resize < args.crop_size:
+        raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
+                        f"crop would be padded with black; give --val-resize {args.crop_size} or more")
+    for flag in ("model_ema_decay", "model_ema_steps"):  # [ema]
+        if getattr(args, flag) is not None and not args.model_ema:  # [ema]
+            raise UserError(f"--{flag.replace('_', '-')} goes with --model-ema: add it, or drop the other")  # [ema]
+    if args.profile_all_ranks and not args.profile:  # [profile]
+        raise UserError("--profile-all-ranks goes with --profile: add it, or drop --profile-all-ranks")  # [profile]
+    if args.profile and args.evaluate:  # [profile]
+        raise UserError("--profile records training steps, and -e trains none: drop one of them")  # [profile]
+
+
+def check_run(args, world_size, device, sets, ckpt_path, ckpt):
+    """Everything else that can fail on bad input, checked before any process waits for another: the batch for
+    the world size, the launcher's own flags, the datasets (check_datasets), the model on them (check_model), and
+    the checkpoint's model (its weights: check_fit, once the model is built)."""
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
+                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    if args.batch_size // world_size % args.grad_accum_steps:
+        raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
+                        f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
+    check_launch_args(args, world_size, device)
+    train_set, val_set, num_classes, example = check_datasets(sets, args)
+    if len(train_set) < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
+                        f"lower -b")
+    check_model(args, num_classes, example)
+    arch = ckpt and ckpt.get("arch", args.arch)
+    if ckpt and arch not in MODEL_NAMES and ":" not in str(arch):
+        raise UserError(f"{ckpt_path} holds a {arch} model, not a torchvision classification model: it is "
+                        f"another script's checkpoint; resume it with that script")
+    if ckpt and arch != args.arch:
+        raise UserError(f"{ckpt_path} holds a {arch} model, not {args.arch}: pass -a {arch} or another checkpoint")
+
+
+def check_datasets(sets, args):
+    """Refuses in one line what build_datasets returned (--dataset's function's, or your edit's) if training cannot
+    take it: two map-style, non-empty datasets whose items are (input tensor, integer label), a number of classes
+    (class_count), uint8 inputs that are 3xHxW images. Reads only the first validation item, whose input it
+    returns with the datasets and the number of classes: check_model runs the model on its shape."""
+    source = f"--dataset {args.dataset}" if args.dataset else "build_datasets"
+    if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
+        raise UserError(f"{source} returned a {type(sets).__name__}, not a pair (train_set, val_set)")
+    for split, data in zip(("train", "val"), sets):
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise UserError(f"{source}: its {split} set, a {type(data).__name__}, is not a map-style dataset "
+                            f"(__len__ and __getitem__)")
+        if len(data) == 0:
+            raise UserError(f"{source}: its {split} set is empty")
+    num_classes = class_count(sets[0])
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise UserError(f"{source}: its train set has no number of classes: give it an attribute num_classes = N "
+                        f"(or classes, a list of N names), labels being 0 to N-1")
+    try:
+        item = sets[1][0]
+    except RankError:  # an unreadable image: the rank that reads it in evaluation says so
+        return (*sets, num_classes, None)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{source}: its val set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})") from None
+    if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
+        raise UserError(f"{source}: an item of its val set is {type(item).__name__} "
+                        f"{tuple(type(x).__name__ for x in item) if isinstance(item, (tuple, list)) else ''}, "
+                        f"not (input tensor, label)")
+    inputs, label = item
+    shape = "x".join(map(str, inputs.shape))
+    if inputs.dtype == torch.uint8 and (inputs.ndim != 3 or inputs.shape[0] != 3):
+        raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are RGB images "
+                        f"(3xHxW): give other data as float tensors")
+    label = label.item() if isinstance(label, torch.Tensor) and label.numel() == 1 else label
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_classes:
+        raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
+                        f"({num_classes - 1})")
+    return (*sets, num_classes, inputs)
+
+
+def check_model(args, num_classes=1000, example=None):
+    """Refuses, in one line and before any process waits for another, options the model does not take and inputs
+    it cannot train on: `example`, one input of the data (None: an image of --crop-size). One training forward
+    pass of the model built on the meta device (shapes without memory or arithmetic: 0.01-0.8 s) tells whether
+    the input fits and the logits are num_classes wide; only when a torchvision model (by name) fails on images,
+    more passes find the --crop-size to name: the only one a model built for one image size takes (vit_*,
+    maxvit_t), or the smallest one the others take (inception_v3 75, alexnet 63, vgg and convnext 32, ...).
+    Your own model (MODULE:FUNCTION, or your build_model) gets the first pass only."""
+    image = example is None or example.dtype == torch.uint8  # the Prefetcher makes uint8 images float
+    shape = (3, args.crop_size, args.crop_size) if example is None else tuple(example.shape)
+    dtype = torch.float32 if image else example.dtype
+    try:
+        with torch.device("meta"):
+            model = build_model(args, num_classes, load_weights=False).train()
+    except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
+        return  # they take any size
+    except UserError:
+        if ":" not in args.arch:
+            raise
+        return  # your function may need a real device to build: build_model says on the CPU if it fails there
+
+    def failure(size=None):
+        """Why a training forward pass of 2 inputs (images of size x size) fails; None if it works."""
+        try:
+            output = model(torch.empty(2, *(shape if size is None else (3, size, size)), dtype=dtype, device="meta"))
+        except NotImplementedError:  # an operation the meta device lacks: no verdict
+            return None
+        except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:  # shape checks
+            return str(e).strip().splitlines()[-1][:200]
+        if not isinstance(output, torch.Tensor):
+            return f"it returns {type(output).__name__}, not logits"
+        wide = "x".join(map(str, output.shape))
+        return None if tuple(output.shape) == (2, num_classes) else f"its logits are {wide}, not 2x{num_classes}"
+
+    reason = failure()
+    if reason is None:
+        return
+    if not (image and args.arch in MODEL_NAMES):
+        raise UserError(f"--arch {args.arch} does not take the data's inputs ({'x'.join(map(str, shape))} "
+                        f"{str(dtype).replace('torch.', '')}): {reason}")
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+    hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
+    fits = next((size for size in hints if size and failure(size) is None), None)
+    if fits is None:
+        raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason})")
+    if failure(fits + 1) is not None:
+        raise UserError(f"--arch {args.arch}{' --pretrained' if args.pretrained else ''} takes {fits}x{fits} images "
+                        f"only: use --crop-size {fits}")
+    low = fits - 1 if failure(fits - 1) else 0  # the smallest size that fits lies in (low, fits]; often it is the hint
+    while fits - low > 1:
+        middle = (low + fits) // 2
+        low, fits = (low, middle) if failure(middle) is None else (middle, fits)
+    if args.crop_size < fits:
+        raise UserError(f"--crop-size {args.crop_size} is too small for --arch {args.arch}: use at least {fits}")
+    raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
+
+
 def check_fit(path, ckpt, model, args):
     """Refuses, before any process waits for another, a checkpoint that does not fit the run the command line
     asks for: its dropout, its weights' names and shapes, its classes (load_state_dict would stop every rank
     later, with a traceback). The line names both sides."""
+    if not ckpt:
+        return
     trained = ckpt.get("args", {}).get("dropout", args.dropout)
     if trained != args.dropout and not args.evaluate:
         said = {value: "the model's own dropout" if value is None else f"--dropout {value}"
@@ -1888,6 +1814,162 @@ def check_same_checkpoint(views):
                          + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
         raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
                         f"must be on a filesystem that every node shares and sees up to date")
+
+
+def check_items(samples):
+    """One line, from the rank whose loader met them, for items that cannot make one batch: check_datasets read
+    a single item, and a dataset may return others unlike it (a row cut short, an image of another size)."""
+    kinds = sorted({f"{'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}"
+                    if isinstance(x, torch.Tensor) else type(x).__name__
+                    for x, *_ in (s if isinstance(s, (tuple, list)) else (s,) for s in samples)})
+    if len(kinds) > 1 or not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples):
+        raise RankError(f"the data's items differ within a batch (inputs {', '.join(kinds[:3])}), or are not "
+                        f"(input, label) pairs: every item's input must have one shape and dtype; crop or pad it in "
+                        f"the dataset")
+
+
+def check_finite(summary, first_bad, epoch):
+    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
+    if summary["nonfinite"]:
+        step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
+        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
+                        f"lower --lr, add --warmup-epochs, or check the data")
+
+
+PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed",
+             "communicator was aborted", "remote process exited", "ncclremoteerror", "ncclsystemerror")
+
+
+PEER_GONE_TYPES = {"DistNetworkError", "DistBackendError", "HorovodInternalError"}  # by name: no import needed
+
+
+def explain_failure(error, args):
+    """What to raise for an error that ends training on this rank: a failure on some rank mid-run becomes one
+    line (RankError) on each rank that meets it, the cause on the rank where it happened, "a peer ended" on the
+    others. A collective that timed out (a rank stopped answering), one that lost its peer (gloo, NCCL, Horovod), a
+    DataLoader worker killed (the out-of-memory killer, mostly); any other error stays itself, traceback and all."""
+    if isinstance(error, UserError):
+        return error
+    try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a closed pipe)
+        torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
+    except RuntimeError as killed:
+        error = killed
+    cause = error
+    for _ in range(8):  # a worker's death met while waiting for a batch: "exited unexpectedly", from the signal's
+        if "killed by signal: " in str(cause):  # error (SIGCHLD's) when that came first; the signal says more
+            error = cause
+            break
+        cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            break
+    if not isinstance(error, RuntimeError):
+        return error
+    text = str(error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
+    if "DataLoader worker (pid" in text:  # torch/utils/data: "(pid 42) is killed by signal: Killed." and others
+        pids = text.split("DataLoader worker (pid", 1)[1].removeprefix("(s)").split(")", 1)[0].strip()
+        signal_name = text.split("killed by signal: ", 1)[1].split(".")[0] if "killed by signal: " in text else None
+        what = f"a data loader worker (pid {pids})"
+        if signal_name == "Killed":
+            return RankError(f"{what} was killed (signal: Killed), most likely by the out-of-memory killer: use "
+                             f"fewer -j/--workers, or give the job more memory")
+        if signal_name == "Bus error":
+            return RankError(f"{what} was killed (signal: Bus error), most likely out of shared memory: give the job "
+                             f"more (/dev/shm; docker run --shm-size), or use fewer -j/--workers")
+        ended = f"was killed (signal: {signal_name})" if signal_name else "exited unexpectedly"
+        return RankError(f"{what} {ended}: if the out-of-memory killer ended it (dmesg says so), use fewer "
+                         f"-j/--workers or give the job more memory; otherwise -j 0 shows the error in the training "
+                         f"process")
+    line = next((line for line in lines if any(words in line.lower() for words in PEER_GONE)), lines[-1])
+    if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
+        line = line.split(", ", 1)[-1]
+    detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
+    lowered = text.lower()
+    if any(words in lowered for words in ("timed out", "timeout", "timing out")):
+        return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
+                         f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
+                         f"--dist-timeout to notice sooner")
+    if "horovod has been shut down" in lowered:  # its background loop stopped: a peer ended, or timed out
+        return RankError(f"a peer ended or stopped answering within --dist-timeout {args.dist_timeout:g}s, so this "
+                         f"rank stops too ({detail}): Horovod's first error above says which; the error line of the "
+                         f"rank that ended first says why")
+    if any(words in lowered for words in PEER_GONE) or {t.__name__ for t in type(error).__mro__} & PEER_GONE_TYPES:
+        return RankError(f"a peer ended, so this rank stops too ({detail}): the error line of the rank that ended "
+                         f"first says why; with none, it was killed (the launcher names the signal; SIGKILL: often "
+                         f"the out-of-memory killer)")
+    return error
+
+
+def safety_net(main_worker):
+    """main_worker, with Ctrl-C caught (catch_ctrl_c) and any failure on a rank made one line (explain_failure)."""
+    def guarded(args, local_index=None):
+        catch_ctrl_c()
+        try:
+            return main_worker(args, local_index)
+        except Exception as e:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker
+            if catch_ctrl_c.pressed:  # a peer that the same Ctrl-C stopped first: no failure
+                raise KeyboardInterrupt from None
+            raise explain_failure(e, args) from None
+    return guarded
+
+
+def catch_ctrl_c():
+    """Ctrl-C reaches every process of a job at once (a terminal signals its whole foreground group, and the
+    launchers pass theirs on too): the first SIGINT stops this process where it is (KeyboardInterrupt, which
+    main turns into exit_ctrl_c), those after it cannot cut its cleanup short, and a peer that stopped first is
+    no failure to report (catch_ctrl_c.pressed). Not where SIGINT was ignored at start (nohup, a background job)."""
+    def pressed(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        catch_ctrl_c.pressed = True
+        raise KeyboardInterrupt
+
+    catch_ctrl_c.pressed = False
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, pressed)
+
+
+def exit_ctrl_c(reporter):
+    """Exit code 130, a shell's for Ctrl-C, with one line from the reporting rank instead of a traceback from
+    every process."""
+    if reporter:
+        print("stopped by Ctrl-C, without saving: --resume auto continues from the last checkpoint (SIGTERM or "
+              "SIGUSR1 stop a run after saving where it is)", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+def claim_output_dir(args, rank, log):
+    """Rank 0 of a training run makes --output-dir and locks it until it ends, so that a second run given the
+    same folder stops at once instead of writing over this one's checkpoints. The lock is the kernel's (lockf):
+    a run that crashed or was killed holds it no more. The open lock file stays in claim_output_dir.lock."""
+    if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
+        return
+    path = os.path.join(args.output_dir, "run.lock")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+        lock = open(path, "a+")
+    except OSError as e:
+        what = "a file of that name is in the way" if isinstance(e, FileExistsError) else e.strerror
+        raise UserError(f"--output-dir {args.output_dir} cannot be used ({what}): give a folder this user can "
+                        f"write to") from None
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        lock.seek(0)
+        holder = lock.read().strip() or "a process on another node"
+        lock.close()
+        raise UserError(f"--output-dir {args.output_dir} is in use by another run ({holder}): give another "
+                        f"--output-dir, or wait for that run to end") from None
+    except OSError as e:  # a filesystem without locks
+        log(f"note: cannot lock --output-dir {args.output_dir} ({e.strerror}); make sure no other run uses it")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    claim_output_dir.lock = lock
+
+
+# the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
+main_worker = safety_net(main_worker)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""3D U-Net segmentation with DistributedDataParallel and mixed precision, one process per GPU, started by torchrun.
+r"""3D U-Net segmentation with DistributedDataParallel and mixed precision, one process per GPU, started by torchrun.
 
 The complete program behind apex's 3D U-Net example (which imported its model, data, loss and
 evaluation from elsewhere): volumes, a 3D U-Net, BCE + soft Dice loss, SyncBatchNorm, AMP, DDP,
@@ -32,10 +32,10 @@ import atexit
 import contextlib
 import ctypes
 import datetime
-import fcntl
+import fcntl  # [safety]
 import inspect
 import itertools
-import json
+import json  # [logs]
 import math
 import multiprocessing
 import os
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard import SummaryWriter  # [logs]
 from tqdm import tqdm
 
 try:
@@ -68,54 +68,63 @@ except ImportError:
     nibabel = None
 
 
+# =============================================================================================
+# Part 1, the lesson: what every copier keeps. The command line, the two functions to edit for your own model
+# and data, the launcher part, the training flow, and what every run needs.
+# =============================================================================================
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n")[0])
     add = p.add_argument
     add("data", nargs="?", metavar="DIR",
         help="folder with train/images, train/labels, val/images, val/labels (not needed with --synthetic)")
     add("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")
-    add("--synthetic-size", type=number(int, 1), default=40, metavar="N",
+    add("--synthetic-size", type=in_range(int, 1), default=40, metavar="N",
         help="with --synthetic: training volumes (validation gets N/4)")
-    add("--synthetic-shape", type=number(int, 1), nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"),
+    add("--synthetic-shape", type=in_range(int, 1), nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"),
         help="with --synthetic: volume size")
-    add("--patch-size", type=number(int, 1), nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
+    add("--patch-size", type=in_range(int, 1), nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
         help="training patch and evaluation tile; each must divide by 2**(depth-1); smaller volumes are zero-padded")
-    add("--patches-per-volume", type=number(int, 1), default=4,
+    add("--patches-per-volume", type=in_range(int, 1), default=4,
         help="random patches drawn from each training volume per epoch")
-    add("--base-channels", type=number(int, 1), default=16,
+    add("--base-channels", type=in_range(int, 1), default=16,
         help="channels of the first U-Net level, doubled at every level below")
-    add("--depth", type=number(int, 1), default=4, help="U-Net levels (depth-1 poolings)")
+    add("--depth", type=in_range(int, 1), default=4, help="U-Net levels (depth-1 poolings)")
     add("--norm", choices=("batch", "group"), default="batch", help="normalization layer after every convolution")
-    add("-j", "--workers", type=number(int, 0), default=4, help="data loading processes per training process")
-    add("--epochs", type=number(int, 0), default=100)
-    add("-b", "--batch-size", type=number(int, 1), default=4,
+    add("-j", "--workers", type=in_range(int, 0), default=4, help="data loading processes per training process")
+    add("--epochs", type=in_range(int, 0), default=100)
+    add("-b", "--batch-size", type=in_range(int, 1), default=4,
         help="global batch of patches over all processes; must divide by the world size")
-    add("--eval-batch", type=number(int, 1), default=2, help="tiles per forward pass when evaluating whole volumes")
-    add("--lr", type=number(float, 0), default=2e-4, help="Adam learning rate")
-    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
-    add("--milestones", type=number(int, 1), nargs="*", default=(60, 80),
+    add("--eval-batch", type=in_range(int, 1), default=2, help="tiles per forward pass when evaluating whole volumes")
+    add("--lr", type=in_range(float, 0), default=2e-4, help="Adam learning rate")
+    add("--wd", "--weight-decay", type=in_range(float, 0), default=1e-4, dest="weight_decay")
+    add("--milestones", type=in_range(int, 1), nargs="*", default=(60, 80),
         help="epochs at which MultiStepLR multiplies the lr by --gamma")
-    add("--gamma", type=number(float, above=0), default=0.1, help="the lr's factor at each milestone")
+    add("--gamma", type=in_range(float, above=0), default=0.1, help="the lr's factor at each milestone")
     add("--amp", action="store_true", help="autocast to fp16 with a GradScaler (on a CPU: for tests, slow)")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--resume", default="", metavar="PATH|auto",
         help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
-    add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent patches")
+    add("--seed", type=in_range(int, 0), default=0, help="same seed, same data and world-size-independent patches")
     add("--deterministic", action="store_true", help="use deterministic algorithms where they exist (slower)")
-    add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
+    add("-p", "--print-freq", type=in_range(int, 1), default=10, help="steps between progress lines")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=number(float, above=0), default=1800, help="seconds a collective may wait for a peer")
-    return check_args(p.parse_args(argv))
-
-
-def check_args(args):
-    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
-    checked here, right after parsing, before any process waits for another."""
-    if args.epochs == 0 and not args.evaluate:
-        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+    add("--dist-timeout", type=in_range(float, above=0), default=1800, help="seconds a collective may wait for a peer")
+    args = p.parse_args(argv)
+    check_args(args)  # [safety]
     return args
+
+
+def build_datasets(args):
+    if args.synthetic:
+        return (SyntheticVolumes(args.synthetic_size, args.synthetic_shape),
+                SyntheticVolumes(max(args.synthetic_size // 4, 1), args.synthetic_shape, offset=10**9))
+    train, val = (VolumeFolder(os.path.join(args.data, split)) for split in ("train", "val"))
+    if train.channels != val.channels:
+        raise UserError(f"{args.data}: train volumes have {train.channels} channels, val volumes {val.channels}; "
+                        f"they must match")
+    return train, val
 
 
 # =============================================================================================
@@ -272,9 +281,8 @@ def sum_async(tensor, group):
 
 
 # =============================================================================================
-# The training flow, in distributed.py's shape: main (its text) -> main_worker -> train_one_epoch /
-# evaluate, with RunState holding the run. The U-Net's own: patches to train on, whole volumes to
-# evaluate, a MultiStepLR stepped per epoch, and Dice to pick the best checkpoint by.
+# The training flow. main is how this launcher runs main_worker; main_worker, RunState,
+# train_one_epoch and evaluate are the same text in every ImageNet sibling.
 # =============================================================================================
 def main():
     first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # reports for its node: each may see its own problem
@@ -282,8 +290,8 @@ def main():
         main_worker(parse_args())
     except UserError as e:
         exit_bad_input(e, reporter=first_on_node)
-    except KeyboardInterrupt:
-        exit_ctrl_c(reporter=first_on_node)
+    except KeyboardInterrupt:  # [safety]
+        exit_ctrl_c(reporter=first_on_node)  # [safety]
     finally:
         end_process_group()  # left to interpreter exit, a gloo thread can abort the process
 
@@ -291,7 +299,6 @@ def main():
 def main_worker(args, local_index=None):
     """One training process, from finding its peers to its last checkpoint. Returns the signal that
     stopped it for preemption (its checkpoint written), or None."""
-    catch_ctrl_c()
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # 3D pooling backward has no deterministic CUDA kernel
@@ -300,13 +307,12 @@ def main_worker(args, local_index=None):
     log = print_or_drop if rank == 0 else (lambda *a, **k: None)
 
     train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, rank, world_size, device)
-    output_lock = claim_output_dir(args, rank, log)  # noqa: F841 (locked while main_worker runs)
+    claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed + rank)  # check_and_load seeded the same initial weights everywhere; from here, per rank
     # before the process group: the loaders fork their workers now, while no thread of gloo's can hold a lock
     train_sampler, train_batches, val_volumes = build_loaders(args, train_set, val_set, rank, world_size, device)
     group = start_process_group(args, rank, world_size, device, log)
-    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))
-    preemption = Preemption(group)
+    check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))  # [safety]
     local_batch, patch = args.batch_size // world_size, tuple(args.patch_size)
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, 3D U-Net (base "
         f"{args.base_channels}, depth {args.depth}, {args.norm} norm, {sum(p.numel() for p in model.parameters())} "
@@ -318,62 +324,48 @@ def main_worker(args, local_index=None):
     amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(args.milestones), gamma=args.gamma)
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype, model_config(args, train_set.channels))
+    run.preemption = Preemption(group)  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
         log(f"resumed from {ckpt_path} (epoch {ckpt['epoch']}, step {ckpt.get('step', 0)})")
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
 
-    writer = None
-    try:  # from here on, a failure on any rank (a peer gone, a loader worker killed) is one line on each
-        if args.evaluate:
-            val, _ = evaluate(run.eval_model, val_volumes, patch, args.eval_batch, amp_dtype)
-            log(f"val: loss {val['loss']:.6f} dice {val['dice']:.6f} iou {val['iou']:.6f} dice_per_volume "
-                f"{val['dice_per_volume']:.6f} (intersection {val['intersection']}, predicted {val['predicted']}, "
-                f"true {val['true']}, union {val['union']}, volumes {val['volumes']})")
-            return None
+    if args.evaluate:
+        val, _ = evaluate(run.eval_model, val_volumes, patch, args.eval_batch, amp_dtype)
+        log(f"val: loss {val['loss']:.6f} dice {val['dice']:.6f} iou {val['iou']:.6f} dice_per_volume "
+            f"{val['dice_per_volume']:.6f} (intersection {val['intersection']}, predicted {val['predicted']}, "
+            f"true {val['true']}, union {val['union']}, volumes {val['volumes']})")
+        return None
 
-        writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=run.epoch) if rank == 0 else None
-        show_bar = rank == 0 and sys.stdout.isatty()
-        while run.epoch < args.epochs:
-            epoch, started = run.epoch, time.time()
-            train_sampler.set_epoch(epoch)
-            train_sampler.start = run.step * local_batch
-            train = train_one_epoch(run, train_batches, preemption, args, log, show_bar)
-            if train is None:
-                run.save(args, rank, is_best=False)
-                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} at epoch {epoch} step {run.step}; "
-                    f"continue with --resume auto")
-                return preemption.signum
-            train_seconds, lr = time.time() - started, optimizer.param_groups[0]["lr"]
-            scheduler.step()  # per epoch, after it: the row keeps the rate the epoch trained with
-            sync_buffers(model)
-            val, slices = evaluate(run.eval_model, val_volumes, patch, args.eval_batch, amp_dtype)
-            is_best = val["dice"] > run.best_dice
-            run.epoch, run.best_dice = epoch + 1, max(run.best_dice, val["dice"])
-            run.save(args, rank, is_best)
-            row = {"epoch": epoch, "train_loss": train["loss"], "train_dice": train["dice"], "val_loss": val["loss"],
-                   "val_dice": val["dice"], "val_iou": val["iou"], "val_dice_per_volume": val["dice_per_volume"],
-                   "lr": lr, "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
-            if rank == 0:
-                for name, picture in zip(("val/input", "val/ground_truth", "val/prediction"), slices):
-                    writer.add_image(name, picture, epoch, dataformats="HW")
-                write_epoch(row, writer, args.output_dir)
-            log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
-                f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
-                f"{row['img_per_s']:.1f} img/s")
-            if preemption.agreed_now() and run.epoch < args.epochs:  # all ranks take part
-                log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} after epoch {epoch}; "
-                    f"continue with --resume auto")
-                return preemption.signum
-    except Exception as e:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker again
-        if catch_ctrl_c.pressed:  # a peer that the same Ctrl-C stopped first: no failure
-            raise KeyboardInterrupt from None
-        raise explain_failure(e, args) from None
-    finally:
-        if writer:
-            writer.close()
+    writer = open_writer(args, rank, run.epoch)  # [logs]
+    show_bar = rank == 0 and sys.stdout.isatty()
+    while run.epoch < args.epochs:
+        epoch, started = run.epoch, time.time()
+        train_sampler.set_epoch(epoch)
+        train_sampler.start = run.step * local_batch
+        train = train_one_epoch(run, train_batches, args, log, show_bar)
+        if train is None:  # [preemption]
+            return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
+        train_seconds, lr = time.time() - started, optimizer.param_groups[0]["lr"]
+        scheduler.step()  # per epoch, after it: the row keeps the rate the epoch trained with
+        sync_buffers(model)
+        val, slices = evaluate(run.eval_model, val_volumes, patch, args.eval_batch, amp_dtype)
+        is_best = val["dice"] > run.best_dice
+        run.epoch, run.best_dice = epoch + 1, max(run.best_dice, val["dice"])
+        run.save(args, rank, is_best)
+        row = {"epoch": epoch, "train_loss": train["loss"], "train_dice": train["dice"], "val_loss": val["loss"],
+               "val_dice": val["dice"], "val_iou": val["iou"], "val_dice_per_volume": val["dice_per_volume"],
+               "lr": lr, "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
+        if writer:  # [logs]
+            for name, picture in zip(("val/input", "val/ground_truth", "val/prediction"), slices):  # [logs]
+                writer.add_image(name, picture, epoch, dataformats="HW")  # [logs]
+            write_epoch(row, writer, args.output_dir)  # [logs]
+        log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
+            f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
+            f"{row['img_per_s']:.1f} img/s")
+        if run.preemption.agreed_now() and run.epoch < args.epochs:  # [preemption]
+            return run.preemption.stop(run, args, rank, log, f"after epoch {epoch}", saved=True)  # [preemption]
     return None
 
 
@@ -419,7 +411,7 @@ class RunState:
                 f"random states start afresh (results match, but not bit for bit)")
 
 
-def train_one_epoch(run, batches, preemption, args, log, show_bar):
+def train_one_epoch(run, batches, args, log, show_bar):
     """One pass over this rank's share of the patches, from step run.step on. Returns the epoch's summary (loss,
     dice, count), or None when every rank agreed to stop: run.step and run.train_sums then say where."""
     run.train_model.train()
@@ -427,7 +419,8 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
     metrics = SegMetrics(device)
     if run.train_sums is not None:
         metrics.sums += run.train_sums.to(device)  # the part of this epoch trained before a preemption
-    steps_per_epoch, first_bad = run.step + len(batches), torch.full((), -1, device=device)
+    steps_per_epoch = run.step + len(batches)
+    first_bad = torch.full((), -1, device=device)  # [safety]
     bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
                disable=not show_bar)
     last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[1].item()
@@ -435,7 +428,7 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
     def report(step):
         nonlocal last_time, last_count
         s = metrics.summary()
-        check_finite(s, first_bad, run.epoch)
+        check_finite(s, first_bad, run.epoch)  # [safety]
         now = time.time()
         text = (f"loss {s['loss']:.4f} dice {s['dice']:.4f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
                 f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.1f} img/s")
@@ -447,13 +440,13 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
         return s
 
     for step, (images, labels) in enumerate(batches, start=run.step):
-        if preemption.agreed():
-            bar.close()
-            run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()
-            return None
+        if run.preemption.agreed():  # [preemption]
+            bar.close()  # [preemption]
+            run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()  # [preemption]
+            return None  # [preemption]
         loss_sum, logits = train_step(run, images, labels)
         metrics.update(loss_sum, logits, labels[:, None])
-        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)  # [safety]
         bar.update()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
             report(step + 1)
@@ -461,30 +454,6 @@ def train_one_epoch(run, batches, preemption, args, log, show_bar):
     bar.close()
     run.step, run.train_sums = 0, None
     return summary
-
-
-def check_finite(summary, first_bad, epoch):
-    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
-    if summary["nonfinite"]:
-        step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
-        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
-                        f"lower --lr, or check the data")
-
-
-def predict_volume(model, image, patch, tiles_per_pass):
-    """Logits (1×D×H×W) for a whole C×D×H×W volume: zero-pad its far borders up to a multiple of the
-    patch, run the model on the non-overlapping tiles, crop the padding off again."""
-    size = image.shape[1:]
-    padded = pad_to(image, [math.ceil(s / p) * p for s, p in zip(size, patch)])
-    logits = torch.empty((1, *padded.shape[1:]), device=image.device)
-    windows = [tuple(slice(c, c + p) for c, p in zip(corner, patch))
-               for corner in itertools.product(*(range(0, s, p) for s, p in zip(padded.shape[1:], patch)))]
-    for i in range(0, len(windows), tiles_per_pass):
-        group = windows[i:i + tiles_per_pass]
-        output = model(torch.stack([padded[(slice(None), *w)] for w in group])).float()
-        for w, tile in zip(group, output):
-            logits[(slice(None), *w)] = tile
-    return logits[(slice(None), *(slice(0, s) for s in size))]
 
 
 def evaluate(model, volumes, patch, tiles_per_pass, amp_dtype):
@@ -515,11 +484,6 @@ def evaluate(model, volumes, patch, tiles_per_pass, amp_dtype):
             [s.cpu() for s in slices] if slices else [])
 
 
-# =============================================================================================
-# The task: checks before training and the checkpoint's model, volumes and their patches, the 3D U-Net,
-# its loss and metrics. Another task than distributed.py's ImageNet: these are this script's alone.
-# =============================================================================================
-# --- Checks before training, and the checkpoint ----------------------------------------------
 def check_and_load(args, rank, world_size, device):
     """Everything that can fail on bad input, done before any process waits for another. Returns
     the datasets, the model (the same initial weights on every rank), the checkpoint's path and the
@@ -552,6 +516,413 @@ def check_and_load(args, rank, world_size, device):
     return train_set, val_set, UNet3D(**config), ckpt_path, ckpt
 
 
+# =============================================================================================
+# What every run needs: bad input as one line, the optimizer and its schedule, loaders, samplers, the
+# device prefetcher, metrics, checkpoint files. The same text in every script (scripts/sync_helpers.py).
+# =============================================================================================
+class UserError(Exception):
+    """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
+
+    def __str__(self):
+        # raised in a DataLoader worker, the message comes back wrapped in the worker's traceback
+        return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1]
+
+
+class RankError(UserError):
+    """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
+    prints its usage from every rank, and exits), exit code 2."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help)")
+
+
+def in_range(kind, at_least=None, above=None, below=None):
+    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. in_range(int, 1)
+    for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
+    name = "an integer" if kind is int else "a number"
+    limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
+              f"< {below}" if below is not None else ""]
+    wanted = f"{name} {' and '.join(limit for limit in limits if limit)}".strip()
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
+        if not (math.isfinite(value) and (at_least is None or value >= at_least)
+                and (above is None or value > above) and (below is None or value < below)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        return value
+
+    convert.bounds = (kind, at_least, above, below)
+    return convert
+
+
+def exit_bad_input(error, reporter):
+    """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
+    met a RankError). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
+    exit stops the others at once, and would otherwise stop the reporting rank before it has printed."""
+    if reporter or isinstance(error, RankError):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
+        time.sleep(30)
+    sys.exit(2)
+
+
+def join_process_group(args, store, rank, world_size, device):
+    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
+    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
+    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
+    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
+    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    try:
+        if "nccl" in backend and device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(device)
+            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+            store.add(key, 1)
+            if store.add("gpu-check/arrived", 1) == world_size:
+                store.set("gpu-check/done", "1")
+            store.wait(["gpu-check/done"])
+            if store.add(key, 0) > 1:
+                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU "
+                                f"({gpu.name}, cuda:{device.index} here), which NCCL does not allow: start one "
+                                f"process per GPU (Slurm: --gpus-per-task=1), or use --dist-backend gloo")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=args.dist_timeout),
+                                device_id=device if device.type == "cuda" else None)
+        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
+            if backend != "gloo" else dist.group.WORLD
+    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
+        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
+                        f"a rank elsewhere may have stopped (see the output of every node), or was never started"
+                        ) from None
+
+
+def build_loaders(args, train_set, val_set, rank, world_size, device):
+    """(train sampler, train batches, validation volumes): each rank takes its share of the patches and of
+    the whole volumes, which DevicePrefetchers put on the device."""
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                       worker_init_fn=start_loader_worker)
+    atexit.register(end_loader_workers)
+    train_data = SeededSamples(RandomPatches(train_set, args.patch_size, args.patches_per_volume))
+    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
+    train_loader = DataLoader(train_data, batch_size=args.batch_size // world_size, sampler=train_sampler,
+                              drop_last=True, **loader_args)
+    # one whole volume per batch: volumes differ in shape
+    val_loader = DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
+    fork_loader_workers(train_loader, val_loader)
+    return train_sampler, DevicePrefetcher(train_loader, device), DevicePrefetcher(val_loader, device)
+
+
+class DevicePrefetcher:
+    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side
+    CUDA stream on GPU). Volumes arrive standardized: nothing left to convert."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _to_device(self, batch):
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            return [t.to(self.device, non_blocking=True) for t in batch]
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        upcoming = next(batches, None)
+        upcoming = upcoming and self._to_device(upcoming)
+        while upcoming:
+            if self.stream is not None:
+                main_stream = torch.cuda.current_stream(self.device)
+                main_stream.wait_stream(self.stream)
+                for t in upcoming:
+                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
+            batch, upcoming = upcoming, next(batches, None)
+            upcoming = upcoming and self._to_device(upcoming)
+            yield batch
+
+
+def conv_block(cin, cout, norm):
+    def normalization(c):
+        return nn.BatchNorm3d(c) if norm == "batch" else nn.GroupNorm(math.gcd(8, c), c)
+    return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True),
+                         nn.Conv3d(cout, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True))
+
+
+class UNet3D(nn.Module):
+    """Çiçek et al. 2016: at each of `depth` levels two 3×3×3 convolutions; max-pooling down,
+    transposed convolution up, skip connections across; one logit per voxel (sigmoid outside)."""
+
+    def __init__(self, in_channels, base_channels=16, depth=4, norm="batch"):
+        super().__init__()
+        widths = [base_channels * 2**i for i in range(depth)]
+        self.encoders = nn.ModuleList(conv_block(cin, cout, norm) for cin, cout in zip([in_channels] + widths, widths))
+        self.upsamplers = nn.ModuleList(nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2)
+                                        for i in range(depth - 1))
+        self.decoders = nn.ModuleList(conv_block(2 * widths[i], widths[i], norm) for i in range(depth - 1))
+        self.head = nn.Conv3d(widths[0], 1, 1)
+
+    def forward(self, x):
+        skips = []
+        for i, encoder in enumerate(self.encoders):
+            x = encoder(F.max_pool3d(x, 2) if i else x)
+            skips.append(x)
+        for i in reversed(range(len(self.decoders))):
+            x = self.decoders[i](torch.cat([skips[i], self.upsamplers[i](x)], dim=1))
+        return self.head(x)
+
+
+def model_config(args, in_channels):
+    return {"in_channels": in_channels, "base_channels": args.base_channels, "depth": args.depth, "norm": args.norm}
+
+
+def bce_dice_loss(logits, target, smooth=1.0):
+    """BCEDiceLoss: binary cross-entropy per voxel plus 1 - soft Dice of the probabilities over the batch."""
+    prob = torch.sigmoid(logits)
+    dice = (2 * (prob * target).sum() + smooth) / (prob.sum() + target.sum() + smooth)
+    return F.binary_cross_entropy_with_logits(logits, target) + 1 - dice
+
+
+def overlap(logits, target):
+    """(intersection, predicted, true, union) voxel counts, the prediction being logit > 0 (p > 0.5)."""
+    pred, true = logits > 0, target > 0.5
+    return torch.stack([(pred & true).sum(), pred.sum(), true.sum(), (pred | true).sum()]).double()
+
+
+class SegMetrics:
+    """Running sums on the device (loss, patches, intersection, predicted, true, non-finite losses);
+    `summary` reduces them over all ranks, so Dice is over every voxel of every rank."""
+
+    def __init__(self, device):
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+
+    def update(self, loss_sum, logits, target):
+        """loss_sum: the batch's loss summed over its patches (train_step's); target: N×1×D×H×W masks."""
+        loss_sum = loss_sum.detach().double().reshape(1)
+        n = torch.full((1,), target.shape[0], dtype=torch.float64, device=target.device)
+        bad = (~torch.isfinite(loss_sum)).double()
+        self.sums += torch.cat([loss_sum, n, overlap(logits.detach(), target)[:3], bad])
+
+    def summary(self):
+        loss, n, inter, pred, true, bad = reduce_tensor(self.sums).tolist()
+        return {"loss": loss / max(n, 1), "dice": 2 * inter / max(pred + true, 1), "count": int(n),
+                "nonfinite": int(bad)}
+
+
+def fork_loader_workers(*loaders):
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
+    later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
+    them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
+    compile-worker pool and, on CUDA, the training loader's pin-memory thread. main_worker calls it before the
+    process group too: a gloo thread that drops a tensor after a collective takes Python's thread-state lock, and
+    a worker forked just then hung in os.fork for good (seen in CI). Workers that are spawned (in a
+    process started by spawn) copy no lock: they start when first needed, as before. The loader's random draw for
+    its workers' seeds takes nothing from the training process's random state."""
+    for loader in loaders:
+        if loader.num_workers and multiprocessing.get_start_method() == "fork":
+            sampler, start = loader.sampler, loader.sampler.start
+            sampler.start = start + len(sampler)  # past its end
+            with torch.random.fork_rng(devices=[]):
+                iter(loader)
+            sampler.start = start
+
+
+def start_loader_worker(worker_id):
+    """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
+    workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
+    its preemption checkpoint: workers ignore both (the training process stops them itself). A worker ends with
+    its training process, even one killed with -9; one that dies while it takes a batch from the worker (its
+    connection cut) is reported by that process, and multiprocessing's thread that hands the batch over does not
+    add a traceback for it."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+    report = sys.excepthook
+    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
+
+
+def die_with_parent(signum):
+    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
+    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
+    training process save its preemption checkpoint on the way out."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
+
+
+def end_loader_workers():
+    """At exit, before multiprocessing's own exit hook (registered earlier, so run later), which stops daemonic
+    children with SIGTERM and waits for them: loader workers ignore SIGTERM, and when an uncaught exception has
+    kept a loader alive, that hook would wait forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
+    for worker in workers:
+        worker.kill()
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that can start mid-epoch (resume) and hands out (index, seed) pairs. The
+    seed fixes each sample's augmentation from (--seed, epoch, index) alone, so training does not
+    depend on the number of processes or loader workers, or on where an epoch was resumed."""
+
+    def __init__(self, dataset, **kwargs):
+        super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
+        self.start = 0  # samples of this rank's share already trained on in this epoch
+
+    def __iter__(self):
+        base = (self.seed * 100_003 + self.epoch) * 1_000_000_007
+        return iter([(i, (base + i) % 2**63) for i in list(super().__iter__())[self.start:]])
+
+    def __len__(self):
+        return super().__len__() - self.start
+
+
+class SeededSamples(Dataset):
+    """Takes TrainSampler's (index, seed) keys and draws the sample's random augmentation from its seed."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+class ShardSampler(Sampler):
+    """indices[rank::world] with no padding: over all ranks every sample is evaluated exactly once."""
+
+    def __init__(self, size, rank, world_size):
+        self.indices = range(rank, size, world_size)
+        self.start = 0  # as TrainSampler's: indices skipped
+
+    def __iter__(self):
+        return iter(self.indices[self.start:])
+
+    def __len__(self):
+        return len(self.indices[self.start:])
+
+
+def print_or_drop(*values):
+    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
+    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
+    try:
+        print(*values, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+CHECKPOINT = "checkpoint.pth.tar"
+
+
+def set_seed(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
+
+
+def set_rng_state(state):
+    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
+    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda_all"])
+    elif torch.cuda.is_available() and state["cuda"].numel():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
+    moment leaves either the old file or the new one, never a torn one."""
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def tensor_bytes(obj):
+    """Bytes of all the tensors in a nested state dict: about the size of its file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
+def save_checkpoint(state, is_best, output_dir):
+    """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
+    gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(state, f))
+        if is_best:
+            with open(path, "rb") as src:
+                atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        need = tensor_bytes(state) / 2**20
+        free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
+        reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
+                  else str(e).strip().splitlines()[-1][:100])
+        raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
+                        f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
+                        f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
+                        ) from None
+
+
+def resume_path(args):
+    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
+    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
+    never starts it afresh over the training it holds."""
+    if args.resume == "auto":
+        path = os.path.join(args.output_dir, CHECKPOINT)
+        return path if os.path.lexists(path) else None
+    if args.resume and not os.path.exists(args.resume):
+        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
+    return args.resume or None
+
+
+def read_checkpoint(path):
+    """The file's content, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
+    copies weights and optimizer state to the model's device itself, and a copy kept on the GPU would
+    take a model's worth of its memory for the whole run."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
+                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+
+
 def load_checkpoint(path, config):
     """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape, without a wrapper's prefix."""
     ckpt = read_checkpoint(path)
@@ -564,7 +935,6 @@ def load_checkpoint(path, config):
     return ckpt
 
 
-# --- Volumes and patches, loaders, the device prefetcher ----------------------------------
 EXTENSIONS = (".nii.gz", ".npy", ".tif", ".tiff", ".nii")  # .nii.gz before .nii: the longest match wins
 
 
@@ -732,184 +1102,133 @@ def note_small_volumes(volumes, patch, log):
     if small:
         log(f"note: {small} training volume(s) are smaller than --patch-size {shape_text(patch)} along some axis; "
             f"their patches are zero-padded at the far end (label 0)")
-
-
-def build_datasets(args):
-    if args.synthetic:
-        return (SyntheticVolumes(args.synthetic_size, args.synthetic_shape),
-                SyntheticVolumes(max(args.synthetic_size // 4, 1), args.synthetic_shape, offset=10**9))
-    train, val = (VolumeFolder(os.path.join(args.data, split)) for split in ("train", "val"))
-    if train.channels != val.channels:
-        raise UserError(f"{args.data}: train volumes have {train.channels} channels, val volumes {val.channels}; "
-                        f"they must match")
-    return train, val
-
-
-def build_loaders(args, train_set, val_set, rank, world_size, device):
-    """(train sampler, train batches, validation volumes): each rank takes its share of the patches and of
-    the whole volumes, which DevicePrefetchers put on the device."""
-    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
-                       worker_init_fn=start_loader_worker)
-    atexit.register(end_loader_workers)
-    train_data = SeededSamples(RandomPatches(train_set, args.patch_size, args.patches_per_volume))
-    train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
-    train_loader = DataLoader(train_data, batch_size=args.batch_size // world_size, sampler=train_sampler,
-                              drop_last=True, **loader_args)
-    # one whole volume per batch: volumes differ in shape
-    val_loader = DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
-    fork_loader_workers(train_loader, val_loader)
-    return train_sampler, DevicePrefetcher(train_loader, device), DevicePrefetcher(val_loader, device)
-
-
-class DevicePrefetcher:
-    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side
-    CUDA stream on GPU). Volumes arrive standardized: nothing left to convert."""
-
-    def __init__(self, loader, device):
-        self.loader, self.device = loader, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def __len__(self):
-        return len(self.loader)
-
-    def _to_device(self, batch):
-        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
-            return [t.to(self.device, non_blocking=True) for t in batch]
-
-    def __iter__(self):
-        batches = iter(self.loader)
-        upcoming = next(batches, None)
-        upcoming = upcoming and self._to_device(upcoming)
-        while upcoming:
-            if self.stream is not None:
-                main_stream = torch.cuda.current_stream(self.device)
-                main_stream.wait_stream(self.stream)
-                for t in upcoming:
-                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
-            batch, upcoming = upcoming, next(batches, None)
-            upcoming = upcoming and self._to_device(upcoming)
-            yield batch
-
-
-# --- The 3D U-Net, its loss and metrics ------------------------------------------------------
-def conv_block(cin, cout, norm):
-    def normalization(c):
-        return nn.BatchNorm3d(c) if norm == "batch" else nn.GroupNorm(math.gcd(8, c), c)
-    return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True),
-                         nn.Conv3d(cout, cout, 3, padding=1, bias=False), normalization(cout), nn.ReLU(inplace=True))
-
-
-class UNet3D(nn.Module):
-    """Çiçek et al. 2016: at each of `depth` levels two 3×3×3 convolutions; max-pooling down,
-    transposed convolution up, skip connections across; one logit per voxel (sigmoid outside)."""
-
-    def __init__(self, in_channels, base_channels=16, depth=4, norm="batch"):
-        super().__init__()
-        widths = [base_channels * 2**i for i in range(depth)]
-        self.encoders = nn.ModuleList(conv_block(cin, cout, norm) for cin, cout in zip([in_channels] + widths, widths))
-        self.upsamplers = nn.ModuleList(nn.ConvTranspose3d(widths[i + 1], widths[i], 2, stride=2)
-                                        for i in range(depth - 1))
-        self.decoders = nn.ModuleList(conv_block(2 * widths[i], widths[i], norm) for i in range(depth - 1))
-        self.head = nn.Conv3d(widths[0], 1, 1)
-
-    def forward(self, x):
-        skips = []
-        for i, encoder in enumerate(self.encoders):
-            x = encoder(F.max_pool3d(x, 2) if i else x)
-            skips.append(x)
-        for i in reversed(range(len(self.decoders))):
-            x = self.decoders[i](torch.cat([skips[i], self.upsamplers[i](x)], dim=1))
-        return self.head(x)
-
-
-def model_config(args, in_channels):
-    return {"in_channels": in_channels, "base_channels": args.base_channels, "depth": args.depth, "norm": args.norm}
-
-
-def bce_dice_loss(logits, target, smooth=1.0):
-    """BCEDiceLoss: binary cross-entropy per voxel plus 1 - soft Dice of the probabilities over the batch."""
-    prob = torch.sigmoid(logits)
-    dice = (2 * (prob * target).sum() + smooth) / (prob.sum() + target.sum() + smooth)
-    return F.binary_cross_entropy_with_logits(logits, target) + 1 - dice
-
-
-def overlap(logits, target):
-    """(intersection, predicted, true, union) voxel counts, the prediction being logit > 0 (p > 0.5)."""
-    pred, true = logits > 0, target > 0.5
-    return torch.stack([(pred & true).sum(), pred.sum(), true.sum(), (pred | true).sum()]).double()
-
-
-class SegMetrics:
-    """Running sums on the device (loss, patches, intersection, predicted, true, non-finite losses);
-    `summary` reduces them over all ranks, so Dice is over every voxel of every rank."""
-
-    def __init__(self, device):
-        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
-
-    def update(self, loss_sum, logits, target):
-        """loss_sum: the batch's loss summed over its patches (train_step's); target: N×1×D×H×W masks."""
-        loss_sum = loss_sum.detach().double().reshape(1)
-        n = torch.full((1,), target.shape[0], dtype=torch.float64, device=target.device)
-        bad = (~torch.isfinite(loss_sum)).double()
-        self.sums += torch.cat([loss_sum, n, overlap(logits.detach(), target)[:3], bad])
-
-    def summary(self):
-        loss, n, inter, pred, true, bad = reduce_tensor(self.sums).tolist()
-        return {"loss": loss / max(n, 1), "dice": 2 * inter / max(pred + true, 1), "count": int(n),
-                "nonfinite": int(bad)}
-
-
 # =============================================================================================
-# Appendix: the helpers every script of this repository carries, the same text in each
-# (scripts/sync_helpers.py keeps them so; tests/test_helpers_identical.py checks it)
+# Part 2, features: one block each, for the flags its first line names. Keep what you use; delete a block
+# whole by its markers (the docstring says how).
 # =============================================================================================
-# --- Errors: bad input is one line and exit code 2, from the rank that can say it ----------
-class UserError(Exception):
-    """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
-
-    def __str__(self):
-        # raised in a DataLoader worker, the message comes back wrapped in the worker's traceback
-        return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1]
 
 
-class RankError(UserError):
-    """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
+# region [preemption] ------------------------------------------------------------------------------
+# SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
+class Preemption:
+    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
+    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
+
+    def __init__(self, group):
+        self.group, self.requested, self.signum, self.wait = group, False, None, None
+        self.flag = torch.zeros(1)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.requested, self.signum = True, signum
+
+    def agreed(self):
+        """Called by every rank at every step: True on all ranks at the same step."""
+        if self.group is None:
+            return self.requested
+        stop = False
+        if self.wait is not None:
+            self.wait()
+            stop = self.flag.item() > 0
+        self.flag.fill_(float(self.requested))
+        self.wait = None if stop else sum_async(self.flag, self.group)
+        return stop
+
+    def agreed_now(self):
+        """Blocking agreement, at the end of an epoch."""
+        if self.group is None:
+            return self.requested
+        if self.wait is not None:
+            self.wait()
+        self.flag.fill_(float(self.requested))
+        sum_async(self.flag, self.group)()
+        self.wait = None
+        return self.flag.item() > 0
+
+    def stop(self, run, args, rank, log, where, saved=False):
+        """Every rank: saves where the run stopped, unless it just did; returns the signal that stopped it."""
+        if not saved:
+            run.save(args, rank, is_best=False)
+        log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} {where}; continue with --resume auto")
+        return self.signum
+# endregion [preemption]
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
-    prints its usage from every rank, and exits), exit code 2."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see --help)")
-
-
-def number(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. number(int, 1)
-    for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
-    name = "an integer" if kind is int else "a number"
-    limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
-              f"< {below}" if below is not None else ""]
-    wanted = f"{name} {' and '.join(limit for limit in limits if limit)}".strip()
-
-    def convert(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
-        if not (math.isfinite(value) and (at_least is None or value >= at_least)
-                and (above is None or value > above) and (below is None or value < below)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
-        return value
-
-    convert.bounds = (kind, at_least, above, below)
-    return convert
+# region [logs] ------------------------------------------------------------------------------------
+# metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
+def open_writer(args, rank, epoch):
+    """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
+    further are purged); None on other ranks."""
+    if rank != 0:
+        return None
+    writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
+    atexit.register(writer.close)
+    return writer
 
 
-# what gloo, NCCL and Horovod say when a peer is gone (gloo: "Connection closed by peer" and the socket errors;
-# NCCL: ncclRemoteError, or the communicator its watchdog aborted after one), and the classes they raise it as
+def write_epoch(row, writer, output_dir):
+    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    for key, value in row.items():
+        if key != "epoch":
+            writer.add_scalar(key, value, row["epoch"])
+    writer.flush()
+# endregion [logs]
+# =============================================================================================
+# Part 3, the safety net: checks before training, and a failure anywhere made one line that names the fix.
+# Keep it, or delete it whole: its region and every line tagged [safety].
+# =============================================================================================
+# region [safety] ----------------------------------------------------------------------------------
+def check_args(args):
+    """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
+    checked here, right after parsing, before any process waits for another."""
+    if args.epochs == 0 and not args.evaluate:
+        raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+
+
+def check_same_checkpoint(views):
+    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
+    points wait for each other at different steps until the job times out."""
+    if len(set(views)) > 1:
+        seen = {}
+        for rank, view in enumerate(views):
+            seen.setdefault(view, []).append(rank)
+        text = "; ".join(f"{'rank' if len(ranks) == 1 else f'{len(ranks)} ranks from'} {ranks[0]}: "
+                         + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
+        raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
+                        f"must be on a filesystem that every node shares and sees up to date")
+
+
+def check_finite(summary, first_bad, epoch):
+    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
+    if summary["nonfinite"]:
+        step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
+        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
+                        f"lower --lr, or check the data")
+
+
+def predict_volume(model, image, patch, tiles_per_pass):
+    """Logits (1×D×H×W) for a whole C×D×H×W volume: zero-pad its far borders up to a multiple of the
+    patch, run the model on the non-overlapping tiles, crop the padding off again."""
+    size = image.shape[1:]
+    padded = pad_to(image, [math.ceil(s / p) * p for s, p in zip(size, patch)])
+    logits = torch.empty((1, *padded.shape[1:]), device=image.device)
+    windows = [tuple(slice(c, c + p) for c, p in zip(corner, patch))
+               for corner in itertools.product(*(range(0, s, p) for s, p in zip(padded.shape[1:], patch)))]
+    for i in range(0, len(windows), tiles_per_pass):
+        group = windows[i:i + tiles_per_pass]
+        output = model(torch.stack([padded[(slice(None), *w)] for w in group])).float()
+        for w, tile in zip(group, output):
+            logits[(slice(None), *w)] = tile
+    return logits[(slice(None), *(slice(0, s) for s in size))]
+
+
 PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed",
              "communicator was aborted", "remote process exited", "ncclremoteerror", "ncclsystemerror")
+
+
 PEER_GONE_TYPES = {"DistNetworkError", "DistBackendError", "HorovodInternalError"}  # by name: no import needed
 
 
@@ -970,16 +1289,18 @@ def explain_failure(error, args):
     return error
 
 
-def exit_bad_input(error, reporter):
-    """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
-    met a RankError). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
-    exit stops the others at once, and would otherwise stop the reporting rank before it has printed."""
-    if reporter or isinstance(error, RankError):
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
-        time.sleep(30)
-    sys.exit(2)
+def safety_net(main_worker):
+    """main_worker, with Ctrl-C caught (catch_ctrl_c) and any failure on a rank made one line (explain_failure)."""
+    def guarded(args, local_index=None):
+        catch_ctrl_c()
+        try:
+            return main_worker(args, local_index)
+        except Exception as e:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker
+            if catch_ctrl_c.pressed:  # a peer that the same Ctrl-C stopped first: no failure
+                raise KeyboardInterrupt from None
+            raise explain_failure(e, args) from None
+    return guarded
 
 
 def catch_ctrl_c():
@@ -1006,247 +1327,12 @@ def exit_ctrl_c(reporter):
     sys.exit(130)
 
 
-# --- Processes: the process group on a rendezvous store, agreeing on preemption ------------
-def join_process_group(args, store, rank, world_size, device):
-    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
-    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
-    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
-    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
-    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    try:
-        if "nccl" in backend and device.type == "cuda":
-            gpu = torch.cuda.get_device_properties(device)
-            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
-            store.add(key, 1)
-            if store.add("gpu-check/arrived", 1) == world_size:
-                store.set("gpu-check/done", "1")
-            store.wait(["gpu-check/done"])
-            if store.add(key, 0) > 1:
-                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU "
-                                f"({gpu.name}, cuda:{device.index} here), which NCCL does not allow: start one "
-                                f"process per GPU (Slurm: --gpus-per-task=1), or use --dist-backend gloo")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=args.dist_timeout),
-                                device_id=device if device.type == "cuda" else None)
-        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
-        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
-            if backend != "gloo" else dist.group.WORLD
-    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
-        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
-                        f"a rank elsewhere may have stopped (see the output of every node), or was never started"
-                        ) from None
-
-
-def die_with_parent(signum):
-    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
-    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
-    training process save its preemption checkpoint on the way out."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
-
-
-class Preemption:
-    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
-    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
-
-    def __init__(self, group):
-        self.group, self.requested, self.signum, self.wait = group, False, None, None
-        self.flag = torch.zeros(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.requested, self.signum = True, signum
-
-    def agreed(self):
-        """Called by every rank at every step: True on all ranks at the same step."""
-        if self.group is None:
-            return self.requested
-        stop = False
-        if self.wait is not None:
-            self.wait()
-            stop = self.flag.item() > 0
-        self.flag.fill_(float(self.requested))
-        self.wait = None if stop else sum_async(self.flag, self.group)
-        return stop
-
-    def agreed_now(self):
-        """Blocking agreement, at the end of an epoch."""
-        if self.group is None:
-            return self.requested
-        if self.wait is not None:
-            self.wait()
-        self.flag.fill_(float(self.requested))
-        sum_async(self.flag, self.group)()
-        self.wait = None
-        return self.flag.item() > 0
-
-
-# --- Data: samplers that split the samples between ranks -----------------------------------
-def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
-    later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
-    them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
-    compile-worker pool and, on CUDA, the training loader's pin-memory thread. main_worker calls it before the
-    process group too: a gloo thread that drops a tensor after a collective takes Python's thread-state lock, and
-    a worker forked just then hung in os.fork for good (seen in CI). Workers that are spawned (in a
-    process started by spawn) copy no lock: they start when first needed, as before. The loader's random draw for
-    its workers' seeds takes nothing from the training process's random state."""
-    for loader in loaders:
-        if loader.num_workers and multiprocessing.get_start_method() == "fork":
-            sampler, start = loader.sampler, loader.sampler.start
-            sampler.start = start + len(sampler)  # past its end
-            with torch.random.fork_rng(devices=[]):
-                iter(loader)
-            sampler.start = start
-
-
-def start_loader_worker(worker_id):
-    """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
-    workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
-    its preemption checkpoint: workers ignore both (the training process stops them itself). A worker ends with
-    its training process, even one killed with -9; one that dies while it takes a batch from the worker (its
-    connection cut) is reported by that process, and multiprocessing's thread that hands the batch over does not
-    add a traceback for it."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)
-    report = sys.excepthook
-    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
-
-
-def end_loader_workers():
-    """At exit, before multiprocessing's own exit hook (registered earlier, so run later), which stops daemonic
-    children with SIGTERM and waits for them: loader workers ignore SIGTERM, and when an uncaught exception has
-    kept a loader alive, that hook would wait forever."""
-    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
-    if workers:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
-    for worker in workers:
-        worker.kill()
-
-
-class TrainSampler(DistributedSampler):
-    """DistributedSampler that can start mid-epoch (resume) and hands out (index, seed) pairs. The
-    seed fixes each sample's augmentation from (--seed, epoch, index) alone, so training does not
-    depend on the number of processes or loader workers, or on where an epoch was resumed."""
-
-    def __init__(self, dataset, **kwargs):
-        super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
-        self.start = 0  # samples of this rank's share already trained on in this epoch
-
-    def __iter__(self):
-        base = (self.seed * 100_003 + self.epoch) * 1_000_000_007
-        return iter([(i, (base + i) % 2**63) for i in list(super().__iter__())[self.start:]])
-
-    def __len__(self):
-        return super().__len__() - self.start
-
-
-class SeededSamples(Dataset):
-    """Takes TrainSampler's (index, seed) keys and draws the sample's random augmentation from its seed."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, key):
-        index, seed = key
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.dataset[index]
-
-
-class ShardSampler(Sampler):
-    """indices[rank::world] with no padding: over all ranks every sample is evaluated exactly once."""
-
-    def __init__(self, size, rank, world_size):
-        self.indices = range(rank, size, world_size)
-        self.start = 0  # as TrainSampler's: indices skipped
-
-    def __iter__(self):
-        return iter(self.indices[self.start:])
-
-    def __len__(self):
-        return len(self.indices[self.start:])
-
-
-# --- Logs ------------------------------------------------------------------------------------
-def print_or_drop(*values):
-    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
-    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
-    try:
-        print(*values, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def write_epoch(row, writer, output_dir):
-    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
-    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    for key, value in row.items():
-        if key != "epoch":
-            writer.add_scalar(key, value, row["epoch"])
-    writer.flush()
-
-
-# --- Checkpoint files and random states ----------------------------------------------------
-# in --output-dir: the file --resume auto takes
-CHECKPOINT = "checkpoint.pth.tar"
-
-
-def set_seed(seed):
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rng_state():
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8)}
-
-
-def set_rng_state(state):
-    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
-    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda_all"])
-    elif torch.cuda.is_available() and state["cuda"].numel():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def atomic_write(path, write):
-    """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
-    moment leaves either the old file or the new one, never a torn one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def claim_output_dir(args, rank, log):
     """Rank 0 of a training run makes --output-dir and locks it until it ends, so that a second run given the
     same folder stops at once instead of writing over this one's checkpoints. The lock is the kernel's (lockf):
-    a run that crashed or was killed holds it no more. Returns the open lock file, None on other ranks."""
+    a run that crashed or was killed holds it no more. The open lock file stays in claim_output_dir.lock."""
     if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
-        return None
+        return
     path = os.path.join(args.output_dir, "run.lock")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -1268,72 +1354,11 @@ def claim_output_dir(args, rank, log):
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
-    return lock
+    claim_output_dir.lock = lock
 
 
-def tensor_bytes(obj):
-    """Bytes of all the tensors in a nested state dict: about the size of its file."""
-    if isinstance(obj, torch.Tensor):
-        return obj.untyped_storage().nbytes()
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(tensor_bytes(v) for v in values)
-
-
-def save_checkpoint(state, is_best, output_dir):
-    """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
-    gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
-    path = os.path.join(output_dir, CHECKPOINT)
-    try:
-        atomic_write(path, lambda f: torch.save(state, f))
-        if is_best:
-            with open(path, "rb") as src:
-                atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        need = tensor_bytes(state) / 2**20
-        free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
-        reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
-                  else str(e).strip().splitlines()[-1][:100])
-        raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
-                        f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
-                        f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
-                        ) from None
-
-
-def resume_path(args):
-    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
-    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
-    never starts it afresh over the training it holds."""
-    if args.resume == "auto":
-        path = os.path.join(args.output_dir, CHECKPOINT)
-        return path if os.path.lexists(path) else None
-    if args.resume and not os.path.exists(args.resume):
-        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
-    return args.resume or None
-
-
-def read_checkpoint(path):
-    """The file's content, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
-    copies weights and optimizer state to the model's device itself, and a copy kept on the GPU would
-    take a model's worth of its memory for the whole run."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
-                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
-
-
-def check_same_checkpoint(views):
-    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
-    points wait for each other at different steps until the job times out."""
-    if len(set(views)) > 1:
-        seen = {}
-        for rank, view in enumerate(views):
-            seen.setdefault(view, []).append(rank)
-        text = "; ".join(f"{'rank' if len(ranks) == 1 else f'{len(ranks)} ranks from'} {ranks[0]}: "
-                         + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
-        raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
-                        f"must be on a filesystem that every node shares and sees up to date")
+# the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
+main_worker = safety_net(main_worker)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ interface that a sibling takes over unchanged.
     python scripts/sync_helpers.py --check  # only list what differs (exit 1 if anything does)
 """
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -22,22 +23,22 @@ INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process
              "wrap_model", "train_step", "reduce_tensor", "gather_objects", "gather_rng_states", "sync_buffers",
              "sum_async", "main"]
 # the training flow, the same text in every ImageNet sibling
-FLOW = ["main_worker", "RunState", "train_one_epoch", "check_finite", "evaluate"]
-# the appendix
-APPENDIX = ["UserError", "RankError", "Parser", "number", "PEER_GONE", "PEER_GONE_TYPES", "explain_failure",
-            "exit_bad_input", "catch_ctrl_c", "exit_ctrl_c", "join_process_group", "die_with_parent", "Preemption",
-            "check_args", "check_and_load",
-            "load_spec", "call_spec", "class_count", "check_datasets", "check_model",
-            "build_model", "param_groups", "new_optimizer", "lr_factor", "forward_backward", "optimizer_step",
-            "ModelEMA", "set_tf32", "span_union", "span_common", "StepProfiler", "IMAGENET_MEAN", "IMAGENET_STD",
-            "SyntheticImages",
-            "load_image", "RandomResizedCropFlip", "collate", "check_items", "build_datasets", "ImageCrops",
-            "build_loaders", "fork_loader_workers",
-            "start_loader_worker", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
-            "Prefetcher", "accuracy", "Metrics", "print_or_drop", "write_epoch", "benchmark", "memory_use",
-            "CHECKPOINT", "set_seed",
-            "rng_state", "set_rng_state", "atomic_write", "claim_output_dir", "tensor_bytes", "save_checkpoint",
-            "resume_path", "read_checkpoint", "load_checkpoint", "check_fit", "check_same_checkpoint"]
+FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
+# the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
+SEAMS = ["build_model", "build_datasets"]
+NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group", "param_groups",
+         "new_optimizer", "lr_factor", "class_count", "IMAGENET_MEAN", "IMAGENET_STD", "load_image", "collate",
+         "build_loaders", "fork_loader_workers", "start_loader_worker", "die_with_parent", "end_loader_workers",
+         "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher", "accuracy", "Metrics", "print_or_drop",
+         "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write", "tensor_bytes", "save_checkpoint",
+         "resume_path", "read_checkpoint", "load_checkpoint"]
+FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark", "memory_use", "Preemption",
+            "set_tf32", "SyntheticImages", "RandomResizedCropFlip", "load_spec", "call_spec", "ImageCrops",
+            "open_writer", "write_epoch"]
+SAFETY = ["check_args", "check_run", "check_datasets", "check_model", "check_fit", "check_same_checkpoint",
+          "check_items", "check_finite", "PEER_GONE", "PEER_GONE_TYPES", "explain_failure", "safety_net",
+          "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
+APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
 # the reference's text
@@ -57,14 +58,13 @@ OWN = {
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
     "unet3d_apex.py": {"parse_args", "check_args", "describe_processes", "prepare_model",
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
-                       "check_finite", "evaluate", "check_and_load", "build_datasets", "build_loaders",
-                       "load_checkpoint"},
+                       "check_finite", "evaluate", "build_datasets", "build_loaders", "load_checkpoint"},
 }
 # shared names a sibling has no use for: no process group of torch.distributed's
 NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups", "new_optimizer",
-                                  "lr_factor", "forward_backward", "optimizer_step", "ModelEMA", "set_tf32",
+                                  "lr_factor", "check_run", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
                                   "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
@@ -73,19 +73,99 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.p
                                   "MODEL_NAMES"}}
 
 
-def definitions(source):
-    """name -> (start offset, end offset) of each top-level function, class and assignment."""
+def units(source):
+    """The file in pieces: (header, [(key, leading, text)], tail). header: the docstring and imports; each unit a
+    top-level function, class or assignment (key: its name; ("=", name) for a name assigned again, such as
+    main_worker wrapped by the safety net), its text from its first decorator on, and `leading` the comments and
+    blank lines before it; tail: the `if __name__` block."""
     lines = source.splitlines(keepends=True)
     offset = [0]
     for line in lines:
         offset.append(offset[-1] + len(line))
-    found = {}
-    for node in ast.parse(source).body:
+    body = ast.parse(source).body
+    first = next(i for i, node in enumerate(body) if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Assign)))
+    last = len(body) - 1  # if __name__ == "__main__":
+    header_end = offset[body[first - 1].end_lineno]
+    found, seen, position = [], set(), header_end
+    for node in body[first:last]:
+        start = offset[min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1]
+        end = offset[node.end_lineno]
         names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)] + [getattr(node, "name", None)]
-        for name in filter(None, names):
-            start = offset[node.lineno - 1] + node.col_offset
-            found[name] = (start, offset[node.end_lineno - 1] + node.end_col_offset)
+        name = next(filter(None, names))
+        key = ("=", name) if name in seen else name
+        seen.add(name)
+        found.append((key, source[position:start], source[start:end]))
+        position = end
+    return source[:header_end], found, source[position:]
+
+
+def definitions(source):
+    """name -> (start offset, end offset) of each top-level function (from its first decorator), class and
+    assignment; a name assigned again keeps its first definition."""
+    header, found, _ = units(source)
+    spans, position = {}, len(header)
+    for key, leading, text in found:
+        start = position + len(leading)
+        position = start + len(text)
+        if isinstance(key, str):
+            spans[key] = (start, position - 1)  # without the last line's newline
+    return spans
+
+
+def banners(text):
+    """The banners in a stretch of comments: a title (up to its first colon or full stop) -> the banner's lines."""
+    found, lines = {}, text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith("# ===") and i + 1 < len(lines) and not lines[i + 1].startswith("# ==="):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("# ===")), None)
+            if end is not None and (i == 0 or not lines[i - 1].startswith("# ")):
+                title = lines[i + 1][2:].replace(".", ":").split(":")[0]
+                found[title] = "".join(lines[i:end + 1])
     return found
+
+
+def layout(script):
+    """The sibling rebuilt in the reference's layout: the reference's text, banners and regions, with the sibling's
+    docstring, imports and own definitions (OWN) in place of the reference's, the shared names it does not carry
+    left out, and the definitions only it has after the one they follow in it now."""
+    ref_header, ref_units, _ = units((ROOT / REFERENCE).read_text())
+    header, mine, tail = units((ROOT / script).read_text())
+    own, skip = OWN.get(script, set()), NOT_CARRIED.get(script, set())
+    theirs = {key: text for key, _, text in mine}
+    ref_keys = {key for key, _, _ in ref_units}
+    their_banners = {}
+    for _, leading, _ in mine:
+        their_banners.update(banners(leading))
+    after, anchor = {}, None
+    for key, leading, text in mine:
+        if key in ref_keys:
+            anchor = key
+        else:  # only the sibling has it: its comments, without banners and the old layout's section lines
+            for banner in banners(leading).values():
+                leading = leading.replace(banner, "")
+            kept = "".join(line for line in leading.splitlines(keepends=True)
+                           if not line.startswith(("# ===", "# --- ")))
+            after.setdefault(anchor, []).append(kept + text)
+    out = [header]
+    out += after.get(None, [])
+    for key, leading, text in ref_units:
+        name = key if isinstance(key, str) else key[1]
+        for title, banner in banners(leading).items():
+            leading = leading.replace(banner, their_banners.get(title, banner))
+        carried = name not in skip and (key in theirs or name in SHARED)
+        comments = "".join(line for line in leading.splitlines(keepends=True) if line.startswith("#"))
+        out.append(leading if carried else comments)
+        if carried:
+            out.append(theirs[key] if name in own and key in theirs else text)
+        out += ["\n\n" + extra for extra in after.get(key, [])]
+    text = "".join(out) + tail
+    while True:  # regions left empty: the sibling carries none of their definitions
+        emptied = re.sub(r"^# region \[([a-z0-9-]+)\][^\n]*\n(#[^\n]*\n)*# endregion \[\1\]\n", "", text, flags=re.M)
+        if emptied == text:
+            break
+        text = emptied
+    text = re.sub(r"\n{4,}", "\n\n\n", text)
+    return re.sub(r"(^#[^\n]*\n)\n+(?=(def |class |@|[A-Za-z_]+ = ))", r"\1", text, flags=re.M)
 
 
 def siblings():
@@ -112,19 +192,16 @@ def differences(script):
 
 
 def sync(script):
-    source = (ROOT / script).read_text()
     for name, text, mine in differences(script):
-        if mine is None:
-            raise SystemExit(f"{script} lacks {name}: add it by hand where it belongs")
+        if mine is None and name not in OWN.get(script, set()):
+            continue  # the layout adds it
         if text is None:
             raise SystemExit(f"{script}: {name} is the reference's text: take it out of OWN in {__file__}")
-        start, end = definitions(source)[name]
-        source = source[:start] + text + source[end:]
-    (ROOT / script).write_text(source)
+    (ROOT / script).write_text(layout(script))
 
 
 if __name__ == "__main__":
-    drift = {s: [d[0] for d in differences(s)] for s in siblings()}
+    drift = {s: [d[0] for d in differences(s)] + ["layout"] * (layout(s) != (ROOT / s).read_text()) for s in siblings()}
     for script, names in drift.items():
         if names:
             print(f"{script}: {', '.join(names)}")

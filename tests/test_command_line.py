@@ -57,7 +57,7 @@ def test_every_option_that_takes_a_value_has_a_range_or_choices(script):
     assert len(options) > 15
     unchecked = [o.option_strings[-1] for o in options
                  if not (o.choices or hasattr(o.type, "bounds") or o.dest in FREE_TEXT)]
-    assert not unchecked, f"give these a range (number(...)) or choices: {unchecked}"
+    assert not unchecked, f"give these a range (in_range(...)) or choices: {unchecked}"
 
 
 def test_every_value_outside_its_range_is_one_clear_error(script):
