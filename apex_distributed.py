@@ -829,7 +829,7 @@ def collate(samples):
     """apex's fast_collate as the loaders' collate_fn: the workers' uint8 images copied straight into one
     uint8 batch, channels last (the order the crops lie in); the loader pins it, and the Prefetcher puts it
     into the model's memory format and normalizes it once, on the device. Other inputs: default_collate."""
-    check_items(samples)
+    check_items(samples)  # [safety]
     if samples[0][0].dtype != torch.uint8:
         return default_collate(samples)
     images = torch.empty((len(samples), *samples[0][0].shape), dtype=torch.uint8, memory_format=torch.channels_last)
@@ -1926,6 +1926,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+# endregion [safety]
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import random
 import resource  # [benchmark]
 import shutil
 import signal
-import socket
+import socket  # [safety]
 import sys
 import time
 
@@ -387,8 +387,8 @@ def main():
         main_worker(parse_args())
     except UserError as e:
         exit_bad_input(e, reporter=True)
-    except KeyboardInterrupt:
-        exit_ctrl_c(reporter=True)
+    except KeyboardInterrupt:  # [safety]
+        exit_ctrl_c(reporter=True)  # [safety]
     finally:
         end_process_group()
 
@@ -1807,6 +1807,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+# endregion [safety]
 
 
 if __name__ == "__main__":

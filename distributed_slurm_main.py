@@ -475,8 +475,8 @@ def run(local_index, args):
             requeue(stopped_by)
     except UserError as e:  # one line per node: each node may see its own problem
         exit_bad_input(e, reporter=local_rank == 0)
-    except KeyboardInterrupt:
-        exit_ctrl_c(reporter=local_rank == 0)
+    except KeyboardInterrupt:  # [safety]
+        exit_ctrl_c(reporter=local_rank == 0)  # [safety]
     except Exception:  # a bug: its traceback, here (spawn would hand it to the parent, which sees one failure only)
         traceback.print_exc()
         sys.exit(1)
@@ -1970,6 +1970,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+# endregion [safety]
 
 
 if __name__ == "__main__":

@@ -400,8 +400,8 @@ def main():
         main_worker(parse_args())
     except UserError as e:
         exit_bad_input(e, reporter=first_on_node())
-    except KeyboardInterrupt:
-        exit_ctrl_c(reporter=first_on_node())
+    except KeyboardInterrupt:  # [safety]
+        exit_ctrl_c(reporter=first_on_node())  # [safety]
     except hvd.HorovodInternalError:  # its background loop stopped, and logged why (above)
         exit_bad_input(RankError("Horovod shut down: a rank stopped answering within --dist-timeout, or failed; "
                                  "Horovod's first error above says which"), reporter=True)
@@ -1823,6 +1823,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+# endregion [safety]
 
 
 if __name__ == "__main__":

@@ -493,8 +493,8 @@ def worker(local_index, args):
         main_worker(args, local_index)
     except UserError as e:  # local: on a node that never met the others, rank 0 is elsewhere
         exit_bad_input(e, reporter=local_index == 0)
-    except KeyboardInterrupt:
-        exit_ctrl_c(reporter=local_index == 0)
+    except KeyboardInterrupt:  # [safety]
+        exit_ctrl_c(reporter=local_index == 0)  # [safety]
     except Exception:  # a bug: its traceback, here (spawn would hand it to the parent, which sees one failure only)
         traceback.print_exc()
         sys.exit(1)
@@ -1947,6 +1947,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+# endregion [safety]
 
 
 if __name__ == "__main__":

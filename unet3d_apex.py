@@ -484,6 +484,22 @@ def evaluate(model, volumes, patch, tiles_per_pass, amp_dtype):
             [s.cpu() for s in slices] if slices else [])
 
 
+def predict_volume(model, image, patch, tiles_per_pass):
+    """Logits (1×D×H×W) for a whole C×D×H×W volume: zero-pad its far borders up to a multiple of the
+    patch, run the model on the non-overlapping tiles, crop the padding off again."""
+    size = image.shape[1:]
+    padded = pad_to(image, [math.ceil(s / p) * p for s, p in zip(size, patch)])
+    logits = torch.empty((1, *padded.shape[1:]), device=image.device)
+    windows = [tuple(slice(c, c + p) for c, p in zip(corner, patch))
+               for corner in itertools.product(*(range(0, s, p) for s, p in zip(padded.shape[1:], patch)))]
+    for i in range(0, len(windows), tiles_per_pass):
+        group = windows[i:i + tiles_per_pass]
+        output = model(torch.stack([padded[(slice(None), *w)] for w in group])).float()
+        for w, tile in zip(group, output):
+            logits[(slice(None), *w)] = tile
+    return logits[(slice(None), *(slice(0, s) for s in size))]
+
+
 def check_and_load(args, rank, world_size, device):
     """Everything that can fail on bad input, done before any process waits for another. Returns
     the datasets, the model (the same initial weights on every rank), the checkpoint's path and the
@@ -1209,22 +1225,6 @@ def check_finite(summary, first_bad, epoch):
                         f"lower --lr, or check the data")
 
 
-def predict_volume(model, image, patch, tiles_per_pass):
-    """Logits (1×D×H×W) for a whole C×D×H×W volume: zero-pad its far borders up to a multiple of the
-    patch, run the model on the non-overlapping tiles, crop the padding off again."""
-    size = image.shape[1:]
-    padded = pad_to(image, [math.ceil(s / p) * p for s, p in zip(size, patch)])
-    logits = torch.empty((1, *padded.shape[1:]), device=image.device)
-    windows = [tuple(slice(c, c + p) for c, p in zip(corner, patch))
-               for corner in itertools.product(*(range(0, s, p) for s, p in zip(padded.shape[1:], patch)))]
-    for i in range(0, len(windows), tiles_per_pass):
-        group = windows[i:i + tiles_per_pass]
-        output = model(torch.stack([padded[(slice(None), *w)] for w in group])).float()
-        for w, tile in zip(group, output):
-            logits[(slice(None), *w)] = tile
-    return logits[(slice(None), *(slice(0, s) for s in size))]
-
-
 PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed",
              "communicator was aborted", "remote process exited", "ncclremoteerror", "ncclsystemerror")
 
@@ -1359,6 +1359,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+# endregion [safety]
 
 
 if __name__ == "__main__":

@@ -128,8 +128,8 @@ def layout(script):
     """The sibling rebuilt in the reference's layout: the reference's text, banners and regions, with the sibling's
     docstring, imports and own definitions (OWN) in place of the reference's, the shared names it does not carry
     left out, and the definitions only it has after the one they follow in it now."""
-    ref_header, ref_units, _ = units((ROOT / REFERENCE).read_text())
-    header, mine, tail = units((ROOT / script).read_text())
+    _, ref_units, tail = units((ROOT / REFERENCE).read_text())
+    header, mine, _ = units((ROOT / script).read_text())
     own, skip = OWN.get(script, set()), NOT_CARRIED.get(script, set())
     theirs = {key: text for key, _, text in mine}
     ref_keys = {key for key, _, _ in ref_units}

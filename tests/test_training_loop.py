@@ -85,13 +85,22 @@ def test_a_tiny_clip_threshold_changes_the_update_and_the_log_counts_it(one_pass
     assert re.search(r"^Epoch 0: .* \| clipped 100% of steps \| \d+ img/s$", job.output, re.M), job.output
 
 
-def loop_step(module, model, optimizer, scaler, max_norm):
-    """One optimizer_step of a script, as train_step calls it, on gradients already in place."""
+def loop_step(module, model, optimizer, scaler, max_norm, batch):
+    """One train_step of a script on `batch` (inputs, target): forward, scaled backward, clipping, the step.
+    Returns 1 if it clipped."""
     run = module.RunState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), scaler,
                           None)
-    run.profiler = module.StepProfiler(types.SimpleNamespace(profile=None, output_dir=".", epochs=1), 0,
-                                       torch.device("cpu"), print, 1)
-    return float(module.optimizer_step(run, types.SimpleNamespace(clip_grad_norm=max_norm)))
+    args = types.SimpleNamespace(grad_accum_steps=1, label_smoothing=0.0, clip_grad_norm=max_norm)
+    return float(module.train_step(run, *batch, args)[2])
+
+
+def true_gradients(model, batch):
+    """The gradients of the training loss on `batch`, unscaled, in fp32, from the model's weights as they are now
+    (computed apart: the model's own parameters keep no gradient)."""
+    weights = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    inputs, target = batch
+    loss = torch.nn.functional.cross_entropy(torch.func.functional_call(model, weights, (inputs,)), target)
+    return [g.float() for g in torch.autograd.grad(loss, list(weights.values()))]
 
 
 @pytest.mark.parametrize("threshold", [0.5, 2.0], ids=["clips", "does-not-clip"])
@@ -102,13 +111,13 @@ def test_clipping_sees_the_unscaled_gradients(threshold):
     module = import_script(SCRIPT)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
+    batch = torch.randn(4, 8), torch.tensor([0, 1, 2, 1])
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    scaler.scale(model(torch.randn(4, 8)).square().sum()).backward()
-    true = [p.grad / 2 ** 10 for p in model.parameters()]
+    true = true_gradients(model, batch)
     norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in true]))
-    clipped = loop_step(module, model, optimizer, scaler, max_norm=threshold * norm.item())
+    clipped = loop_step(module, model, optimizer, scaler, threshold * norm.item(), batch)
     assert clipped == (threshold < 1)
     factor = min(threshold, 1.0)
     for p, p0, g in zip(model.parameters(), before, true):
@@ -126,10 +135,10 @@ def test_apex_o2_clips_the_fp32_master_gradients():
     masters = [master for _, master in scaler.masters.values()]
     before = [m.detach().clone() for m in masters]
     model.to(torch.bfloat16)
-    scaler.scale(model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().sum()).backward()
-    true = [p.grad.float() / scaler.get_scale() for p in model.parameters()]
+    batch = torch.randn(4, 8, dtype=torch.bfloat16), torch.tensor([0, 1, 2, 1])
+    true = true_gradients(model, batch)  # in bfloat16 as the model computes them (the loss scale is a power of 2)
     norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in true]))
-    assert loop_step(module, model, optimizer, scaler, max_norm=0.5 * norm.item()) == 1
+    assert loop_step(module, model, optimizer, scaler, 0.5 * norm.item(), batch) == 1
     for master, m0, g in zip(masters, before, true):
         assert torch.allclose(m0 - master.detach(), 0.5 * g, rtol=1e-3, atol=1e-6)
     for p, master in zip(model.parameters(), masters):  # the model computes with the new masters
