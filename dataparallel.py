@@ -1028,8 +1028,7 @@ def load_checkpoint(path):
 # =============================================================================================
 
 
-# region [ema] -------------------------------------------------------------------------------------
-# --model-ema, --model-ema-decay, --model-ema-steps: an average of the weights, evaluated and saved too
+# region [ema]: --model-ema, --model-ema-decay, --model-ema-steps: an average of the weights, evaluated too
 class ModelEMA:
     """--model-ema: an exponential moving average of the weights (parameters and BatchNorm statistics), updated
     every --model-ema-steps optimizer steps as ema = decay * ema + (1 - decay) * weights (torch.optim.swa_utils'
@@ -1058,8 +1057,7 @@ class ModelEMA:
 # endregion [ema]
 
 
-# region [profile] ---------------------------------------------------------------------------------
-# --profile, --profile-all-ranks: where the step time goes
+# region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""
     merged = []
@@ -1116,12 +1114,12 @@ class StepProfiler:
             self.part_recorded.__exit__(None, None, None)
         self.part_recorded = name and torch.profiler.record_function(name).__enter__()
 
+    @contextlib.contextmanager
     def region(self, name):
         """A named stretch around the step, recorded (and waited for on the GPU) while the profiler records."""
-        return self._recorded(name) if self.profiler else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _recorded(self, name):
+        if self.profiler is None:
+            yield
+            return
         with torch.profiler.record_function(name):
             yield
             if self.device.type == "cuda":
@@ -1129,11 +1127,7 @@ class StepProfiler:
 
     def timed(self, batches):
         """The batches; a recorded step lasts from the wait for its batch to the request for the next."""
-        if self.skip == math.inf:
-            return batches
-        return self._timed(iter(batches))
-
-    def _timed(self, batches):
+        batches = iter(batches)
         while True:
             if self.skip == 0:
                 cuda = [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
@@ -1196,8 +1190,7 @@ class StepProfiler:
 # endregion [profile]
 
 
-# region [benchmark] -------------------------------------------------------------------------------
-# --benchmark N: the training speed without the input pipeline
+# region [benchmark]: --benchmark N: the training speed without the input pipeline
 def benchmark(run, args, world_size, log, val_set):
     """--benchmark: the model, the step and the all-reduce without the input pipeline, on synthetic batches
     already on the device: this hardware's training speed. Images of --crop-size; with your own data (--dataset,
@@ -1210,13 +1203,14 @@ def benchmark(run, args, world_size, log, val_set):
     else:
         images = example.to(device).expand(local_batch, *example.shape).clone()
     batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
+    autocast = str(run.amp_dtype).replace("torch.", "") if run.amp_dtype else "off"
     for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
         started = time.time()
         train = train_one_epoch(run, [batch] * steps, args, log, False)
         if train is None:
             return
     log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "
-        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, --amp {args.amp}; "
+        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, autocast {autocast}; "
         f"{memory_use(run, device)}")
 
 
@@ -1234,8 +1228,7 @@ def memory_use(run, device):
 # endregion [benchmark]
 
 
-# region [preemption] ------------------------------------------------------------------------------
-# SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
+# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
     launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
@@ -1281,8 +1274,7 @@ class Preemption:
 # endregion [preemption]
 
 
-# region [tf32] ------------------------------------------------------------------------------------
-# --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs
+# region [tf32]: --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs
 def set_tf32(args, device, log):
     """TF32: fp32 matmuls and convolutions on the tensor cores of Ampere and newer GPUs, with fp32's range and a
     10-bit mantissa (as fp16's): several times faster, and accurate enough to train with. On unless --no-tf32;
@@ -1296,8 +1288,7 @@ def set_tf32(args, device, log):
 # endregion [tf32]
 
 
-# region [dummy] -----------------------------------------------------------------------------------
-# --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
+# region [dummy]: --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
 class SyntheticImages(Dataset):
     """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
     its own noise; image i is the same on every call, rank and run."""
@@ -1322,8 +1313,7 @@ class SyntheticImages(Dataset):
 # endregion [dummy]
 
 
-# region [fast-crop] -------------------------------------------------------------------------------
-# the training crop in one step, faster than torchvision's v2 transforms
+# region [fast-crop]: the training crop in one step, faster than torchvision's v2 transforms
 class RandomResizedCropFlip:
     """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step. The same draws in
     distribution: a crop of a uniform share `scale` of the image's area with a log-uniform aspect
@@ -1368,8 +1358,7 @@ class RandomResizedCropFlip:
 # endregion [fast-crop]
 
 
-# region [spec] ------------------------------------------------------------------------------------
-# --arch and --dataset MODULE:FUNCTION: your own model and data without editing this file
+# region [spec]: --arch and --dataset MODULE:FUNCTION: your own model and data without editing this file
 def load_spec(spec, flag):
     """--arch or --dataset MODULE:FUNCTION: the function, imported from the current directory or PYTHONPATH."""
     module_name, _, name = spec.partition(":")
@@ -1418,8 +1407,7 @@ class ImageCrops(Dataset):
 # endregion [spec]
 
 
-# region [logs] ------------------------------------------------------------------------------------
-# metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
+# region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
     """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
     further are purged); None on other ranks."""
@@ -1447,7 +1435,7 @@ def write_epoch(row, writer, output_dir):
 # =============================================================================================
 
 
-# region [safety] ----------------------------------------------------------------------------------
+# region [safety]
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
@@ -1507,7 +1495,8 @@ def check_datasets(sets, args):
     take it: two map-style, non-empty datasets whose items are (input tensor, integer label), a number of classes
     (class_count), uint8 inputs that are 3xHxW images. Reads only the first validation item, whose input it
     returns with the datasets and the number of classes: check_model runs the model on its shape."""
-    source = f"--dataset {args.dataset}" if args.dataset else "build_datasets"
+    spec = getattr(args, "dataset", None)  # None too where the block spec is cut
+    source = f"--dataset {spec}" if spec else "build_datasets"
     if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
         raise UserError(f"{source} returned a {type(sets).__name__}, not a pair (train_set, val_set)")
     for split, data in zip(("train", "val"), sets):
@@ -1627,7 +1616,7 @@ def check_fit(path, ckpt, model, args):
     wrong = [(key, tuple(saved[key].shape), tuple(own[key].shape)) for key in own
              if saved[key].shape != own[key].shape]
     if wrong and all(there[1:] == here[1:] and there[0] != here[0] for _, there, here in wrong):
-        data = args.dataset or args.data or "--dummy"
+        data = getattr(args, "dataset", None) or args.data or "--dummy"
         raise UserError(f"{path} has {wrong[0][1][0]} classes, {data} has {wrong[0][2][0]}: "
                         f"resume with the data it was trained on, or train without --resume")
     if wrong:
@@ -1721,13 +1710,13 @@ def explain_failure(error, args):
     if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
         line = line.split(", ", 1)[-1]
     detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
-    lowered = text.lower()
+    lowered, timeout = text.lower(), f"--dist-timeout {getattr(args, 'dist_timeout', 1800):g}s"  # DataParallel: none
     if any(words in lowered for words in ("timed out", "timeout", "timing out")):
-        return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
+        return RankError(f"a rank stopped answering: this one waited {timeout} for it "
                          f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
                          f"--dist-timeout to notice sooner")
     if "horovod has been shut down" in lowered:  # its background loop stopped: a peer ended, or timed out
-        return RankError(f"a peer ended or stopped answering within --dist-timeout {args.dist_timeout:g}s, so this "
+        return RankError(f"a peer ended or stopped answering within {timeout}, so this "
                          f"rank stops too ({detail}): Horovod's first error above says which; the error line of the "
                          f"rank that ended first says why")
     if any(words in lowered for words in PEER_GONE) or {t.__name__ for t in type(error).__mro__} & PEER_GONE_TYPES:

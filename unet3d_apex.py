@@ -1124,8 +1124,7 @@ def note_small_volumes(volumes, patch, log):
 # =============================================================================================
 
 
-# region [preemption] ------------------------------------------------------------------------------
-# SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
+# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
     launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
@@ -1171,8 +1170,7 @@ class Preemption:
 # endregion [preemption]
 
 
-# region [logs] ------------------------------------------------------------------------------------
-# metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
+# region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
     """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
     further are purged); None on other ranks."""
@@ -1196,7 +1194,7 @@ def write_epoch(row, writer, output_dir):
 # Part 3, the safety net: checks before training, and a failure anywhere made one line that names the fix.
 # Keep it, or delete it whole: its region and every line tagged [safety].
 # =============================================================================================
-# region [safety] ----------------------------------------------------------------------------------
+# region [safety]
 def check_args(args):
     """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
     checked here, right after parsing, before any process waits for another."""
@@ -1273,13 +1271,13 @@ def explain_failure(error, args):
     if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
         line = line.split(", ", 1)[-1]
     detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
-    lowered = text.lower()
+    lowered, timeout = text.lower(), f"--dist-timeout {getattr(args, 'dist_timeout', 1800):g}s"  # DataParallel: none
     if any(words in lowered for words in ("timed out", "timeout", "timing out")):
-        return RankError(f"a rank stopped answering: this one waited --dist-timeout {args.dist_timeout:g}s for it "
+        return RankError(f"a rank stopped answering: this one waited {timeout} for it "
                          f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "
                          f"--dist-timeout to notice sooner")
     if "horovod has been shut down" in lowered:  # its background loop stopped: a peer ended, or timed out
-        return RankError(f"a peer ended or stopped answering within --dist-timeout {args.dist_timeout:g}s, so this "
+        return RankError(f"a peer ended or stopped answering within {timeout}, so this "
                          f"rank stops too ({detail}): Horovod's first error above says which; the error line of the "
                          f"rank that ended first says why")
     if any(words in lowered for words in PEER_GONE) or {t.__name__ for t in type(error).__mro__} & PEER_GONE_TYPES:
