@@ -1,12 +1,15 @@
 """Test harness: launches the scripts the way users do (torchrun, python) on CPU with gloo, on tiny
 generated data, and checks that no process outlives its job."""
 import contextlib
+import fcntl
+import importlib.metadata
 import importlib.util
 import itertools
 import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -205,24 +208,36 @@ def spawn(script, nprocs, *args, **kwargs):
 
 # Ports the kernel picks (bind to port 0; the local end of every outgoing connection) come from its ephemeral range
 # (32768-60999 on Linux), where another connection may take a port between free_port() and the job's bind. The
-# concurrent pytest processes of scripts/gpu_suite.py each take ports in turn from a block of their own below it.
-PORT_BLOCK = os.environ.get("TEST_PORT_BLOCK")
+# concurrent pytest processes of scripts/gpu_suite.py (TEST_PORT_BLOCK=0, 1, ...: from port 20000) and pytest-xdist's
+# workers (gw0, gw1, ...: from port 10000, below distributed_slurm_main.py's 20000 + job id) each take ports in turn
+# from a block of their own below it.
 PORT_BLOCK_SIZE = 200
+XDIST_WORKER = None  # this pytest-xdist worker's id (gw0, gw1, ...): set by pytest_configure
 _next_port = itertools.count()
 
 
+def first_port():
+    """The first port of this process's block; None: the kernel picks."""
+    if os.environ.get("TEST_PORT_BLOCK") is not None:
+        return 20000 + int(os.environ["TEST_PORT_BLOCK"]) * PORT_BLOCK_SIZE
+    if XDIST_WORKER is not None:
+        return 10000 + int(XDIST_WORKER.removeprefix("gw")) * PORT_BLOCK_SIZE
+    return None
+
+
 def free_port():
-    if PORT_BLOCK is None:
+    first = first_port()
+    if first is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
-    first = 20000 + int(PORT_BLOCK) * PORT_BLOCK_SIZE
     for _ in range(PORT_BLOCK_SIZE):
         port = first + next(_next_port) % PORT_BLOCK_SIZE
         with socket.socket() as s, contextlib.suppress(OSError):
             s.bind(("127.0.0.1", port))
             return port
-    raise RuntimeError(f"no free port in {first}-{first + PORT_BLOCK_SIZE - 1} (TEST_PORT_BLOCK={PORT_BLOCK})")
+    raise RuntimeError(f"no free port in {first}-{first + PORT_BLOCK_SIZE - 1} (TEST_PORT_BLOCK="
+                       f"{os.environ.get('TEST_PORT_BLOCK')}, pytest-xdist worker {XDIST_WORKER})")
 
 
 def error_lines(text):
@@ -338,15 +353,43 @@ def make_image_folder(root, train_per_class=48, val_total=101, size=40, seed=0):
 
 @pytest.fixture(scope="session")
 def image_data(tmp_path_factory):
+    """Each pytest-xdist worker makes its own, the same bytes (seeded): a run made once for all of them (made_once)
+    read the maker's copy, and equals a run on any other."""
     return make_image_folder(tmp_path_factory.mktemp("imagefolder"))
+
+
+def made_once(name, tmp_path_factory, make):
+    """make(folder): a reference run that tests in several modules compare with, made in a folder of this session.
+    Under pytest-xdist every worker is a session of its own: there the folder is one that the workers share (in the
+    run's temporary folder), made by the first worker that asks while the others wait on its lock, then only read.
+    A run that failed fails the others' tests at once; one that was interrupted is made by the next that asks."""
+    if not XDIST_WORKER:
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    shared = tmp_path_factory.getbasetemp().parent  # the workers' --basetemp folders lie in the run's own folder
+    folder, done, failed = shared / name, shared / f"{name}.done", shared / f"{name}.failed"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes, or this process dies
+        if failed.exists():
+            pytest.fail(f"the run {name}, made by another pytest-xdist worker, failed there: {failed.read_text()}")
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                make(folder)
+            except (Exception, pytest.fail.Exception) as e:
+                failed.write_text(f"{type(e).__name__}: {str(e)[-2000:]}")
+                raise
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(image_data, tmp_path_factory):
     """torchrun, 2 processes, EPOCHS epochs, deterministic: what resumed runs and other launchers must equal."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    ok(torchrun("distributed.py", 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", out))
-    return out
+    return made_once("uninterrupted", tmp_path_factory, lambda out: ok(torchrun(
+        "distributed.py", 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", out)))
 
 
 @pytest.fixture
@@ -385,9 +428,8 @@ LOOP = [*NO_BN, "-j", "2", "--grad-accum-steps", "2", "--clip-grad-norm", "0.05"
 
 @pytest.fixture(scope="session")
 def loop_reference(image_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("loop_reference")
-    ok(torchrun("distributed.py", 2, image_data, *LOOP, "--output-dir", out))
-    return out
+    return made_once("loop_reference", tmp_path_factory, lambda out: ok(torchrun(
+        "distributed.py", 2, image_data, *LOOP, "--output-dir", out)))
 
 
 def assert_same_loop(out, reference, exact):
@@ -396,6 +438,30 @@ def assert_same_loop(out, reference, exact):
     for key in ("state_dict", "model_ema"):
         assert_same_tensors(a[key], b[key], exact=exact)
     assert 0 < metrics(out)[0]["clipped_percent"] == metrics(reference)[0]["clipped_percent"]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`pytest -n N`, scripts/test.sh), each xdist_group must stay on one worker: the Slurm tests
+    share one cluster, and the users of a module-scoped reference run (a fixture that trains) share that run, made
+    once per worker. `-n N` alone would hand out test by test (--dist load)."""
+    global XDIST_WORKER
+    XDIST_WORKER = getattr(config, "workerinput", {}).get("workerid")  # not an inherited PYTEST_XDIST_WORKER
+    dist = getattr(config.option, "dist", "no")
+    if dist not in ("no", "loadgroup"):
+        raise pytest.UsageError(f"--dist {dist}: the suite's xdist_group marks need --dist loadgroup "
+                                "(bash scripts/test.sh passes -n 2 --dist loadgroup)")
+    # loadgroup tells the groups by a suffix that pytest-xdist (up to 3.8.0 at least) appends to each node id,
+    # `test@group`, and pytest 9.2 ignores (pytest-dev/pytest-xdist#1386): every test would go to any worker
+    if dist == "loadgroup" and version("pytest") >= (9, 2) and version("pytest-xdist") <= (3, 8, 0):
+        xdist = importlib.metadata.version("pytest-xdist")
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {xdist} runs the tests of an "
+                                "xdist_group on any worker (pytest-dev/pytest-xdist#1386): pip install -r "
+                                "requirements-test.txt (pytest<9.2)")
+
+
+def version(package):
+    """An installed package's version as numbers: (9, 2, 0)."""
+    return tuple(int(part) for part in re.findall(r"\d+", importlib.metadata.version(package))[:3])
 
 
 @pytest.hookimpl(hookwrapper=True)

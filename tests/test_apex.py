@@ -58,6 +58,7 @@ def test_o1_autocast_learns_without_apex(image_data, tmp_path):
     assert ckpt["scaler"] == {}  # no loss scaling for bfloat16: an empty scaler state, restored as such
 
 
+@pytest.mark.xdist_group("apex_o2")
 def test_o2_keeps_fp32_master_weights_and_fp32_batchnorm(o2):
     job, out = o2
     assert "opt level O2: bfloat16 model, fp32 BatchNorm, fp32 master weights, no loss scaling" in job.output
@@ -72,6 +73,7 @@ def test_o2_keeps_fp32_master_weights_and_fp32_batchnorm(o2):
     torchvision.models.resnet18(num_classes=4).load_state_dict(ckpt["state_dict"])  # a plain fp32 model takes them
 
 
+@pytest.mark.xdist_group("apex_o2")
 def test_o2_resume_continues_bit_for_bit(image_data, tmp_path, o2):
     _, reference = o2
     ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import ROOT, import_script
 
+pytestmark = pytest.mark.quick
 SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
            "horovod_distributed.py", "distributed_slurm_main.py", "unet3d_apex.py"]
 # values checked where they are used, against what they name: a folder, a file, a model, a backend, GPUs, a URL

@@ -22,6 +22,7 @@ def trained(image_data, tmp_path_factory):
     return job, out
 
 
+@pytest.mark.xdist_group("distributed_trained")
 def test_two_processes_learn_and_write_outputs_from_rank_0_only(trained):
     job, out = trained
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
@@ -29,6 +30,7 @@ def test_two_processes_learn_and_write_outputs_from_rank_0_only(trained):
     assert_learned(out, epochs=4)  # one metrics line per epoch: rank 1 wrote nothing
 
 
+@pytest.mark.xdist_group("distributed_trained")
 def test_checkpoint_is_complete_and_loads_into_a_plain_model(trained):
     _, out = trained
     ckpt = load(out / "checkpoint.pth.tar")
@@ -52,6 +54,7 @@ def val_line(job):
     return float(m[1]), m.groups()[1:]
 
 
+@pytest.mark.xdist_group("distributed_trained")
 def test_evaluation_is_exact_for_any_number_of_processes(trained, image_data):
     """101 validation images: no rank pads or drops any, so 1, 2 and 3 processes agree exactly."""
     _, out = trained

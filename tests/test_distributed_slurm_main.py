@@ -14,6 +14,9 @@ import pytest
 from conftest import (BIN, EPOCHS, LOOP, OUTPUT_FILES, RESUME, ROOT, Job, assert_same_loop, assert_same_run,
                       error_lines, import_script, load, metrics, ok, python)
 
+# one cluster for the whole module, and its tasks are found by that cluster's config: under pytest-xdist these tests
+# run on one worker, one after another (a test waits for its job's tasks to end, and may kill any left behind)
+pytestmark = pytest.mark.xdist_group("slurm")
 SCRIPT = "distributed_slurm_main.py"
 BASE = os.environ.get("LOCAL_SLURM_BASE", "/tmp/pytorch-multigpu-slurm")
 PORT = os.environ.get("LOCAL_SLURM_PORT", "17817")
@@ -127,6 +130,7 @@ def test_the_training_loop_flags_under_srun_equal_torchrun(slurm, image_data, tm
     assert_same_loop(tmp_path, loop_reference, exact=True)
 
 
+@pytest.mark.quick  # the quick tier's srun launch: the cheapest that trains
 def test_one_task_per_node_on_two_nodes_with_a_rendezvous_file(slurm, image_data, tmp_path):
     """srun -N2 -n2 --procs-per-node 2: world = SLURM_NTASKS x 2 = 4 (not SLURM_NPROCS = 2, which hung)."""
     out = tmp_path / "out"

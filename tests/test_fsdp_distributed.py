@@ -73,6 +73,7 @@ def copy_of(out, tmp_path):
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.xdist_group("fsdp_references")
 def test_the_sharded_model_ends_with_the_weights_of_distributed(opt, pairs):
     """The same training as DDP's, sharded: all-gathered weights, reduce-scattered gradients (averaged: with gloo
     some torch releases summed them, pytorch/pytorch#162338, and this pins the torch in use), SGD and AdamW on
@@ -92,6 +93,7 @@ def test_the_sharded_model_ends_with_the_weights_of_distributed(opt, pairs):
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.xdist_group("fsdp_references")
 def test_the_checkpoint_is_a_folder_of_shards_and_model_best_holds_the_full_weights(opt, pairs):
     pair = pairs(opt)
     link = pair.out / "checkpoint.dcp"
@@ -108,6 +110,7 @@ def test_the_checkpoint_is_a_folder_of_shards_and_model_best_holds_the_full_weig
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.xdist_group("fsdp_references")
 def test_distributed_evaluates_the_exported_weights_to_the_numbers_fsdp_printed(opt, pairs):
     pair = pairs(opt)
     job = ok(torchrun("distributed.py", 2, *pair.args, "-e", "--resume", export(pair.out)))
@@ -119,6 +122,7 @@ def test_distributed_evaluates_the_exported_weights_to_the_numbers_fsdp_printed(
 
 
 @pytest.mark.parametrize("nproc", [1, 3])
+@pytest.mark.xdist_group("fsdp_references")
 def test_a_sharded_checkpoint_of_2_processes_resumes_on(nproc, pairs, two_epochs, image_data, tmp_path):
     """torch.distributed.checkpoint reshards: each of nproc ranks reads its part of the 2 ranks' shards."""
     out = copy_of(pairs("sgd").out, tmp_path)
@@ -128,6 +132,7 @@ def test_a_sharded_checkpoint_of_2_processes_resumes_on(nproc, pairs, two_epochs
     assert_same_tensors(weights(out), two_epochs, exact=False)
 
 
+@pytest.mark.xdist_group("fsdp_references")
 def test_sigterm_to_torchrun_mid_epoch_then_resume_auto_equals_an_uninterrupted_run(two_epochs, image_data, tmp_path):
     """SIGTERM to torchrun, as `kill` or a scheduler sends it, with loader workers: every rank writes its shards at
     the step they agreed on; --resume auto goes on from there to the weights of a run that never stopped."""
@@ -145,6 +150,7 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_auto_equals_an_uninterrupted_
     assert len([name for name in os.listdir(out) if name.startswith("checkpoint.dcp.")]) == 1  # the old ones gone
 
 
+@pytest.mark.xdist_group("fsdp_references")
 def test_replicate_nodes_shards_within_each_node_and_replicates_across_them(pairs, image_data, tmp_path):
     """Two nodes of one process each (two torchrun agents, as on two hosts), a 2-D mesh: the gradients are
     all-reduced across the nodes; the weights are those of one node sharding over both."""
@@ -194,6 +200,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", BAD)
+@pytest.mark.xdist_group("fsdp_references")
 def test_bad_input_gets_one_clear_line(name, pairs, image_data, tmp_path):
     processes, make_args, expected = BAD[name]
     out = copy_of(pairs("sgd").out, tmp_path)
@@ -220,6 +227,7 @@ def test_every_arch_is_cut_into_groups_that_leave_the_root_almost_nothing(arch):
     assert len(FSDP.blocks(model)) >= 4 and root <= 0.05 * sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.xdist_group("fsdp_references")
 def test_a_full_disk_while_the_shards_are_written_keeps_the_last_checkpoint(pairs, small_disk, image_data):
     """The next checkpoint folder does not fit beside the last: the save fails on every rank, one line says so,
     the half-written folder is removed, and the link still leads to the last checkpoint, which resumes."""
@@ -247,6 +255,7 @@ runpy.run_path(sys.argv.pop(1), run_name="__main__")
 """
 
 
+@pytest.mark.xdist_group("fsdp_references")
 def test_evaluation_never_gives_the_model_a_batch_of_0_rows(pairs, tmp_path):
     """With -b 4 the 101 validation images are 26 batches on rank 0 and 25 on rank 1, which runs one more forward
     (a collective) whose output it drops: on one input, never on none (CUDA's flash attention rejects a batch of 0,

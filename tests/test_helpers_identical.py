@@ -12,6 +12,8 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 from sync_helpers import REFERENCE, SHARED, definitions, differences, layout, siblings  # noqa: E402
 
+pytestmark = pytest.mark.quick
+
 
 def test_the_reference_defines_every_shared_helper():
     missing = set(SHARED) - set(definitions((ROOT / REFERENCE).read_text()))

@@ -34,6 +34,7 @@ def trained(image_data, tmp_path_factory):
     return job, out
 
 
+@pytest.mark.xdist_group("horovod_trained")
 def test_two_processes_learn_checkpoint_and_resume(trained, image_data):
     job, out = trained
     assert "world size 2, device cpu, backend horovod/gloo, global batch 16 = 2 x 8" in job.output
@@ -47,6 +48,7 @@ def test_two_processes_learn_checkpoint_and_resume(trained, image_data):
     assert [r["epoch"] for r in metrics(out)] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.xdist_group("horovod_trained")
 def test_evaluation_is_exact(trained, image_data):
     """Two Horovod processes count exactly what one distributed.py process counts on 101 images."""
     _, out = trained
@@ -65,6 +67,7 @@ def ddp_weights(image_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", "2"]], ids=["one-pass", "two-micro-batches"])
+@pytest.mark.xdist_group("horovod_ddp_weights")
 def test_horovod_gives_the_weights_of_ddp(extra, image_data, tmp_path, ddp_weights):
     """Same seed, data and global batch: Horovod ends where DDP ends, also when each process's batch
     is split into two backward passes per all-reduce (backward_passes_per_step)."""

@@ -3,8 +3,11 @@ file over 120 characters, not even one that ruff lets pass for its `# noqa` or i
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
+pytestmark = pytest.mark.quick
 LIMIT = 120
 
 

@@ -34,7 +34,13 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("run", RUNS)
+# the quick tier (bash scripts/test.sh --quick) launches every script once under its own launcher: these runs; srun,
+# with test_distributed_slurm_main.py's; unet3d_apex.py, with test_shutdown.py's
+QUICK = {"distributed.py", "multiprocessing_distributed.py", "dataparallel.py adamw", "horovod_distributed.py",
+         "apex_distributed.py O2", "fsdp_distributed.py sgd"}
+
+
+@pytest.mark.parametrize("run", [pytest.param(run, marks=[pytest.mark.quick] if run in QUICK else []) for run in RUNS])
 def test_every_script_trains_on_the_gpus_path_on_the_cpu(run, tmp_path):
     """fp16 with loss scaling, a fused optimizer, channels-last and clipping, as a GPU run makes them. FSDP crashed
     here on every GPU: fused SGD over DTensors, ShardedGradScaler's inf check with fused AdamW, channels-last

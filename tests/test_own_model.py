@@ -166,6 +166,7 @@ def reference(project, tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("own_model_reference")
 def test_your_model_and_data_train_and_the_checkpoint_names_them(reference):
     rows = metrics(reference)
     assert [r["epoch"] for r in rows] == [0, 1] and rows[-1]["val_acc1"] >= 70, rows  # 3 classes: chance 33%
@@ -174,6 +175,7 @@ def test_your_model_and_data_train_and_the_checkpoint_names_them(reference):
     assert set(ckpt["state_dict"]) == {"hidden.weight", "hidden.bias", "out.weight", "out.bias"}
 
 
+@pytest.mark.xdist_group("own_model_reference")
 def test_sigterm_to_torchrun_mid_epoch_then_resume_auto_is_the_uninterrupted_run(project, reference, tmp_path):
     job = torchrun(project / "distributed.py", 2, *TABLE, "--epochs", EPOCHS, "--output-dir", tmp_path, cwd=project)
     job.wait_for_line("Epoch 0 [ 1/12]")
@@ -185,6 +187,7 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_auto_is_the_uninterrupted_run
     assert_same_run(tmp_path, reference, epochs=EPOCHS)
 
 
+@pytest.mark.xdist_group("own_model_reference")
 def test_evaluate_gives_the_last_epochs_accuracy(project, reference, tmp_path):
     job = ok(python(project / "distributed.py", *TABLE, "-e", "--resume", reference / "checkpoint.pth.tar",
                     "--output-dir", tmp_path, cwd=project))
@@ -193,6 +196,7 @@ def test_evaluate_gives_the_last_epochs_accuracy(project, reference, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["multiprocessing_distributed.py", "fsdp_distributed.py"])
+@pytest.mark.xdist_group("own_model_reference")
 def test_other_launchers_take_the_same_model(script, project, reference, tmp_path):
     """spawn equals torchrun bit for bit; FSDP shards a model without Sequential or ModuleList by its layers."""
     args = [*TABLE, "--epochs", EPOCHS, "--output-dir", tmp_path]
@@ -264,6 +268,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", BAD)
+@pytest.mark.xdist_group("own_model_reference")
 def test_bad_input_gets_one_clear_line(name, project, reference, tmp_path):
     args, expected = BAD[name]
     args = [str(reference / "checkpoint.pth.tar") if a == "REFERENCE" else a for a in args]

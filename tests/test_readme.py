@@ -63,6 +63,7 @@ def tiny(words, out):
     return extra
 
 
+@pytest.mark.quick
 def test_the_readme_has_cpu_demos_for_every_launcher():
     """The selection rule must keep finding the demos, or the test below would silently test nothing."""
     scripts = {next(w for w in shlex.split(c) if w.endswith(".py")) for c in DEMOS}
@@ -83,11 +84,13 @@ def test_readme_cpu_demo_runs(command, tmp_path):
     assert (tmp_path / ("checkpoint.dcp" if sharded else "checkpoint.pth.tar")).exists(), job.output
 
 
+@pytest.mark.quick
 def test_readme_links_point_at_their_lines():
     stale = readme_links.stale_links()
     assert not stale, f"README links whose line moved (run python scripts/readme_links.py): {stale}"
 
 
+@pytest.mark.quick
 def test_readme_pictures_are_up_to_date():
     result = subprocess.run([sys.executable, ROOT / "docs" / "make_figures.py", "--check"], capture_output=True,
                             text=True)

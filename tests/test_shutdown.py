@@ -26,7 +26,7 @@ UNET = ["--synthetic", "--synthetic-size", "4", "--synthetic-shape", "16", "16",
 
 
 @pytest.mark.parametrize("script, args", [("distributed.py", IMAGENET), ("apex_distributed.py", IMAGENET),
-                                          ("unet3d_apex.py", UNET)])
+                                          pytest.param("unet3d_apex.py", UNET, marks=pytest.mark.quick)])
 def test_no_gloo_thread_outlives_main(script, args, tmp_path):
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(WRAPPER)

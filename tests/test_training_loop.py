@@ -36,6 +36,7 @@ def one_pass(image_data, tmp_path_factory):
     return ok(torchrun(SCRIPT, 2, image_data, *NO_BN, "--profile", "3", "--output-dir", out)), out
 
 
+@pytest.mark.xdist_group("training_loop_one_pass")
 def test_grad_accum_steps_give_the_weights_of_one_pass_and_one_all_reduce_per_step(one_pass, image_data, tmp_path):
     """Each process's 8 images in 2 micro-batches of 4: the same weights, and no more all-reduces per optimizer
     step (DDP's buckets and the preemption flag) than one pass makes: no_sync holds back the first micro-batch's.
@@ -49,6 +50,7 @@ def test_grad_accum_steps_give_the_weights_of_one_pass_and_one_all_reduce_per_st
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
 
 
+@pytest.mark.xdist_group("training_loop_one_pass")
 def test_profile_writes_a_trace_and_a_summary_whose_parts_add_up_to_the_step(one_pass):
     job, out = one_pass
     steps, step_ms, parts, _, trace = profile_summary(job)
@@ -77,6 +79,7 @@ def test_every_launcher_runs_the_loop_as_distributed_py_does(launch, loop_refere
     assert_same_loop(tmp_path, loop_reference, exact=launch == "spawn")
 
 
+@pytest.mark.xdist_group("training_loop_one_pass")
 def test_a_tiny_clip_threshold_changes_the_update_and_the_log_counts_it(one_pass, image_data, tmp_path):
     job = ok(torchrun(SCRIPT, 2, image_data, *NO_BN, "--clip-grad-norm", "1e-4", "--output-dir", tmp_path))
     clipped, plain = (load(d / "checkpoint.pth.tar")["state_dict"] for d in (tmp_path, one_pass[1]))

@@ -57,6 +57,7 @@ def trained(tmp_path_factory):
     return job, out
 
 
+@pytest.mark.xdist_group("unet3d_trained")
 def test_two_processes_learn_synthetic_spheres(trained):
     job, out = trained
     assert ("world size 2, device cpu, backend gloo, global batch 4 = 2 x 2 patches of 16×16×16, 3D U-Net "
@@ -78,6 +79,7 @@ def test_two_processes_learn_synthetic_spheres(trained):
     assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES
 
 
+@pytest.mark.xdist_group("unet3d_trained")
 def test_checkpoint_is_complete_and_loads_into_a_plain_model(trained):
     _, out = trained
     ckpt = load(out / "checkpoint.pth.tar")
@@ -97,6 +99,7 @@ def val_line(job):
     return [float(x) for x in m.groups()[:4]], m.groups()[4:]
 
 
+@pytest.mark.xdist_group("unet3d_trained")
 def test_evaluation_is_exact_for_any_number_of_processes(trained):
     """5 whole volumes: one rank takes 3, the other 2, and the voxel counts are summed, so the result
     is the single-process one, and the one logged in training for the same weights."""
@@ -133,6 +136,7 @@ def assert_same_run(out, reference):
         [{k: v for k, v in r.items() if k not in drop} for r in metrics(reference)]
 
 
+@pytest.mark.xdist_group("unet3d_uninterrupted")
 def test_npy_folder_trains_and_pads_volumes_smaller_than_a_patch(uninterrupted):
     job, out = uninterrupted
     assert "6 train / 3 val volumes" in job.output
@@ -141,6 +145,7 @@ def test_npy_folder_trains_and_pads_volumes_smaller_than_a_patch(uninterrupted):
     assert [r["epoch"] for r in metrics(out)] == [0, 1] and metrics(out)[-1]["val_dice"] > 0
 
 
+@pytest.mark.xdist_group("unet3d_uninterrupted")
 def test_resume_auto_continues_an_npy_run_exactly(npy_data, tmp_path, uninterrupted):
     ok(torchrun(SCRIPT, 2, npy_data, *NPY, "--epochs", "1", "--output-dir", tmp_path), timeout=180)
     job = ok(torchrun(SCRIPT, 2, npy_data, *NPY, "--epochs", "2", "--resume", "auto", "--output-dir", tmp_path),
@@ -149,6 +154,7 @@ def test_resume_auto_continues_an_npy_run_exactly(npy_data, tmp_path, uninterrup
     assert_same_run(tmp_path, uninterrupted[1])
 
 
+@pytest.mark.xdist_group("unet3d_uninterrupted")
 def test_sigterm_checkpoints_and_resume_continues_exactly(npy_data, tmp_path, uninterrupted):
     job = torchrun(SCRIPT, 2, npy_data, *NPY, "-p", "1", "--epochs", "2", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [1/6]")
