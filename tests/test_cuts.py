@@ -40,6 +40,7 @@ def launch(script, path, *args):
     return LAUNCHERS[script](path, 2, *args)
 
 
+@pytest.mark.quick
 def test_every_block_is_fenced_and_every_tag_names_one():
     """A tag that names no block (a typo) would survive every cut; a region without its end would take the rest of
     the file with it."""
@@ -69,6 +70,7 @@ def unknown_flags(source):
     return sorted(read - made)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*.py")))
 def test_every_cut_passes_ruff_and_reads_no_flag_it_cut(script, tmp_path):
     """Every script, each block alone and the core."""
@@ -93,7 +95,8 @@ def test_each_cut_trains(script, block, image_data, tmp_path):
 VAL = re.compile(r"^val: loss \S+ acc1 (\S+) acc5 \S+ \(correct1 \d+, correct5 \d+, images 101\)$", re.M)
 
 
-@pytest.mark.parametrize("script", LAUNCHERS)
+@pytest.mark.parametrize("script", [pytest.param("distributed.py", marks=pytest.mark.quick),
+                                    "multiprocessing_distributed.py"])
 def test_the_core_trains_evaluates_exactly_and_resumes(script, image_data, tmp_path):
     """4 epochs at once, and 2 then 2 more after --resume auto: the same weights and optimizer state, bit for bit.
     The data is learnable: validation accuracy well above chance (4 classes: 25%). Evaluating the checkpoint on 1 or
