@@ -533,8 +533,8 @@ def main_worker(args, local_index=None):
         evaluated = {"val": run.eval_model}
         if ema:  # [ema]
             evaluated["val ema"] = ema.module  # [ema]
-        for name, model in evaluated.items():
-            val = evaluate(model, val_batches, amp_dtype)
+        for name, net in evaluated.items():
+            val = evaluate(net, val_batches, amp_dtype)
             log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
                 f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
         return None
@@ -775,12 +775,10 @@ def param_groups(model, args):
 
 
 def new_optimizer(model, args, scaled_loss):
-    """--opt: SGD with momentum, or AdamW (weight decay apart from the gradient's moments). Fused wherever torch
-    has the kernel for these parameters and it is right, the CPU included, so that the CPU runs the GPU's optimizer:
-    one kernel for all of them, to which GradScaler hands its inf/NaN check on the device (no wait for the GPU each
-    step). SGD takes the foreach path instead with a scaled loss (torch's fused SGD skips the step GradScaler finds
-    an inf in, but not the momentum's update: a skipped first step leaves it uninitialized, the next steps diverge)
-    and for sharded parameters (FSDP's DTensors: fused AdamW has a sharding rule, fused SGD none)."""
+    """--opt: SGD with momentum, or AdamW. Fused wherever torch has the kernel and it is right, the CPU included
+    (the CPU runs the GPU's optimizer): one kernel, to which GradScaler hands its inf/NaN check on the device. SGD
+    takes the foreach path with a scaled loss (fused SGD skips a step GradScaler finds an inf in, but not the
+    momentum's update: a skipped first step leaves it uninitialized) and for FSDP's DTensors (no sharding rule)."""
     groups = param_groups(model, args)
     if args.opt == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=True)
@@ -855,14 +853,11 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
-    later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
-    them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
-    compile-worker pool and, on CUDA, the training loader's pin-memory thread. main_worker calls it before the
-    process group too: a gloo thread that drops a tensor after a collective takes Python's thread-state lock, and
-    a worker forked just then hung in os.fork for good (seen in CI). Workers that are spawned (in a
-    process started by spawn) copy no lock: they start when first needed, as before. The loader's random draw for
-    its workers' seeds takes nothing from the training process's random state."""
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for every later
+    pass to reuse. A child forked while another thread holds a lock can hang on it for good (pytorch#130610): later
+    this process runs TensorBoard's writer, torch.compile's workers, a pin-memory thread, and gloo's threads, one
+    of which took Python's thread-state lock as a worker forked (seen in CI). Spawned workers copy no lock: they
+    start when first needed. Their seeds' draw takes nothing from the training process's random state."""
     for loader in loaders:
         if loader.num_workers and multiprocessing.get_start_method() == "fork":
             sampler, start = loader.sampler, loader.sampler.start
@@ -873,12 +868,10 @@ def fork_loader_workers(*loaders):
 
 
 def start_loader_worker(worker_id):
-    """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
-    workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
-    its preemption checkpoint: workers ignore both (the training process stops them itself). A worker ends with
-    its training process, even one killed with -9; one that dies while it takes a batch from the worker (its
-    connection cut) is reported by that process, and multiprocessing's thread that hands the batch over does not
-    add a traceback for it."""
+    """The loaders' worker_init_fn. Launchers signal a whole process group, loader workers included: a worker
+    ended by SIGTERM or SIGUSR1 would take its training process down before its preemption checkpoint, so workers
+    ignore both. A worker ends with its training process, even one killed with -9, and adds no traceback when
+    that process dies while taking a batch from it."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
@@ -1200,11 +1193,9 @@ def span_common(spans, others):
 
 
 class StepProfiler:
-    """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (compilation, cuDNN's search,
-    the allocator; fewer when the run is too short for both), on rank 0, or on every rank with --profile-all-ranks.
-    Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto, chrome://tracing and TensorBoard's profiler
-    plugin open it) and logs where the step time went. While it records, each part of a step waits for the GPU
-    at its end, so that every part is timed where it runs."""
+    """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (fewer when the run is too
+    short), on rank 0 (every rank: --profile-all-ranks). Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto
+    opens it) and logs where the step time went; each recorded part of a step waits for the GPU at its end."""
     WARMUP = 5
 
     def __init__(self, run, args, rank, log, steps_per_epoch):
@@ -1276,13 +1267,14 @@ class StepProfiler:
         forward/backward, the all-reduce time that computation did not hide (DDP: collectives within backward
         while no computation ran; Horovod: its region "all-reduce", the wait for them), the optimizer step, and
         the rest (Python, metrics, the preemption check)."""
-        spans, main, on_gpu = {}, {e.thread for e in events if e.name == "train step"}, self.device.type == "cuda"
+        spans, trainer, on_gpu = {}, {e.thread for e in events if e.name == "train step"}, self.device.type == "cuda"
         for e in events:
             spans.setdefault(e.name, []).append((e.time_range.start, e.time_range.end))
         steps = [s for s in spans.get("train step", []) if span_common([s], spans.get("forward/backward", []))]
 
         def place(e):  # the GPU, the training thread, or another thread (gloo's)
-            return "gpu" if e.device_type == torch.autograd.DeviceType.CUDA else "main" if e.thread in main else "other"
+            on_cuda = e.device_type == torch.autograd.DeviceType.CUDA
+            return "gpu" if on_cuda else "main" if e.thread in trainer else "other"
 
         def length(pieces):
             return sum(end - start for start, end in pieces)
@@ -1301,7 +1293,7 @@ class StepProfiler:
         parts["forward/backward"] -= exposed / n
         parts["all-reduce"] += exposed / n
         parts["other"] = length(span_union(steps)) / n - sum(parts.values())
-        count = sum(1 for e in events if e.name == "c10d::allreduce_" and e.thread in main
+        count = sum(1 for e in events if e.name == "c10d::allreduce_" and e.thread in trainer
                     and span_common([(e.time_range.start, e.time_range.start + 1e-3)], steps))
         return (f"{len(steps)} steps, {length(span_union(steps)) / n / 1e3:.1f} ms each = "
                 + " + ".join(f"{name} {ms / 1e3:.1f}" for name, ms in parts.items())
@@ -1434,15 +1426,11 @@ class SyntheticImages(Dataset):
 
 # region [fast-crop]: the training crop in one step, faster than torchvision's v2 transforms
 class RandomResizedCropFlip:
-    """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step. The same draws in
-    distribution: a crop of a uniform share `scale` of the image's area with a log-uniform aspect
-    ratio in `ratio`, up to 10 tries, else v2's central fallback crop; a flip with probability 1/2.
-    They come from torch's RNG in one call instead of five or more. A uint8 tensor (load_image's
-    output) is cut into channels-last memory order, the order decode_jpeg leaves and the one torch
-    resizes fastest, then resized by the kernel v2 uses (bilinear, antialiased); a PIL image goes
-    through v2.functional. Not an nn.Module or v2.Compose: in a worker, right after a decode has
-    flushed the CPU caches, their Python machinery and separate RNG calls cost almost as much as the
-    resize itself (benchmarks/input_pipeline.py)."""
+    """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step, with the same draws in
+    distribution, taken from torch's RNG in one call instead of five or more. A uint8 tensor is cut in
+    channels-last order (decode_jpeg's, the one torch resizes fastest) and resized by v2's kernel (bilinear,
+    antialiased); a PIL image goes through v2.functional. Right after a decode, v2's Python machinery costs
+    almost as much as the resize itself (benchmarks/input_pipeline.py)."""
 
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = [size, size], scale, ratio

@@ -734,14 +734,11 @@ class SegMetrics:
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), so that each
-    later pass reuses them. A process that forks while other threads run can hang in the child on a lock one of
-    them held (pytorch#130610); by the first validation, this one runs TensorBoard's writer, torch.compile's
-    compile-worker pool and, on CUDA, the training loader's pin-memory thread. main_worker calls it before the
-    process group too: a gloo thread that drops a tensor after a collective takes Python's thread-state lock, and
-    a worker forked just then hung in os.fork for good (seen in CI). Workers that are spawned (in a
-    process started by spawn) copy no lock: they start when first needed, as before. The loader's random draw for
-    its workers' seeds takes nothing from the training process's random state."""
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for every later
+    pass to reuse. A child forked while another thread holds a lock can hang on it for good (pytorch#130610): later
+    this process runs TensorBoard's writer, torch.compile's workers, a pin-memory thread, and gloo's threads, one
+    of which took Python's thread-state lock as a worker forked (seen in CI). Spawned workers copy no lock: they
+    start when first needed. Their seeds' draw takes nothing from the training process's random state."""
     for loader in loaders:
         if loader.num_workers and multiprocessing.get_start_method() == "fork":
             sampler, start = loader.sampler, loader.sampler.start
@@ -752,12 +749,10 @@ def fork_loader_workers(*loaders):
 
 
 def start_loader_worker(worker_id):
-    """The loaders' worker_init_fn. Launchers and schedulers signal a whole process group or job step, loader
-    workers included, and a worker ended by SIGTERM or SIGUSR1 takes the training process down with it before
-    its preemption checkpoint: workers ignore both (the training process stops them itself). A worker ends with
-    its training process, even one killed with -9; one that dies while it takes a batch from the worker (its
-    connection cut) is reported by that process, and multiprocessing's thread that hands the batch over does not
-    add a traceback for it."""
+    """The loaders' worker_init_fn. Launchers signal a whole process group, loader workers included: a worker
+    ended by SIGTERM or SIGUSR1 would take its training process down before its preemption checkpoint, so workers
+    ignore both. A worker ends with its training process, even one killed with -9, and adds no traceback when
+    that process dies while taking a batch from it."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
