@@ -471,13 +471,13 @@ def main_worker(args, local_index=None):
         row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
                "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
                "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started,
-               **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if key in val},
+               **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if key in val},  # [ema]
                **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {})}
         if writer:  # [logs]
             write_epoch(row, writer, args.output_dir)  # [logs]
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
             f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}"
-            + (f" | ema acc1 {val['acc1_ema']:.2f}" if "acc1_ema" in val else "")
+            + (f" | ema acc1 {val['acc1_ema']:.2f}" if "acc1_ema" in val else "")  # [ema]
             + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
             + f" | {row['img_per_s']:.0f} img/s")
         if run.preemption.agreed_now() and run.epoch < args.epochs:  # [preemption]
