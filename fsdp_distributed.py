@@ -1665,8 +1665,8 @@ def check_args(args):
 
 def check_run(args, world_size, device, sets, ckpt_path, ckpt):
     """Everything else that can fail on bad input, checked before any process waits for another: the batch for
-    the world size, the launcher's own flags, the datasets (check_datasets), the model on them (check_model), and
-    the checkpoint's model (its weights: check_fit, once the model is built)."""
+    the world size, the launcher's own flags, the checkpoint's model (its weights: check_fit, once the model is
+    built), the datasets (check_datasets) and the model on them (check_model)."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -1674,17 +1674,17 @@ def check_run(args, world_size, device, sets, ckpt_path, ckpt):
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
     check_launch_args(args, world_size, device)
-    train_set, val_set, num_classes, example = check_datasets(sets, args)
-    if len(train_set) < args.batch_size and not args.evaluate:
-        raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
-                        f"lower -b")
-    check_model(args, num_classes, example)
     arch = ckpt and ckpt.get("arch", args.arch)
     if ckpt and arch not in MODEL_NAMES and ":" not in str(arch):
         raise UserError(f"{ckpt_path} holds a {arch} model, not a torchvision classification model: it is "
                         f"another script's checkpoint; resume it with that script")
     if ckpt and arch != args.arch:
         raise UserError(f"{ckpt_path} holds a {arch} model, not {args.arch}: pass -a {arch} or another checkpoint")
+    train_set, val_set, num_classes, example = check_datasets(sets, args)
+    if len(train_set) < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
+                        f"lower -b")
+    check_model(args, num_classes, example)
 
 
 def check_datasets(sets, args):
