@@ -87,6 +87,7 @@ def test_horovod_clips_averaged_gradients_and_keeps_the_average_of_ddp(image_dat
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.alone  # horovodrun kills the ranks 5 s after SIGTERM: the checkpoint must be saved by then
 def test_a_signal_to_horovodrun_ends_in_the_preemption_checkpoint_with_loader_workers(signum, image_data, tmp_path):
     """SIGTERM to horovodrun: it passes SIGTERM to each training process and kills what is left 5 s later.
     SIGKILL: its per-rank middlemen notice and do the same. Loader workers must not bring their rank down first;

@@ -79,7 +79,8 @@ CTRL_C = {**{name: start for name, (start, _) in LAUNCHERS.items()},
           "python": lambda *args: python("dataparallel.py", *args)}
 
 
-@pytest.mark.parametrize("launcher", CTRL_C)
+@pytest.mark.parametrize("launcher", [pytest.param(name, marks=[pytest.mark.alone] if name == "horovodrun" else [])
+                                      for name in CTRL_C])
 def test_ctrl_c_stops_every_process_with_one_line(launcher, image_data, tmp_path):
     """SIGINT to the whole foreground group, as a terminal sends it, with loader workers: every process ends (the
     harness checks that none is left) without a traceback of the script's or "a peer ended" from the ranks that
