@@ -69,7 +69,7 @@ def _no_task_outlives_its_job():
     left = slurm_tasks()
     for p in left:
         p.kill()
-    assert not left, f"Slurm tasks left behind: {[(p.pid, p.cmdline()) for p in left]}"
+    assert not left, f"Slurm tasks left behind: {[(p.pid, p.info['cmdline']) for p in left]}"  # read before kill
 
 
 def srun(env, srun_args, *args):
