@@ -36,7 +36,7 @@ import argparse
 import atexit
 import contextlib
 import copy  # [ema]
-import ctypes
+import ctypes  # [preemption]
 import datetime
 import fcntl  # [safety]
 import importlib  # [spec]
@@ -49,7 +49,7 @@ import random
 import resource  # [benchmark]
 import shutil
 import signal
-import socket
+import socket  # [safety]
 import sys
 import time
 
@@ -62,7 +62,8 @@ from PIL import Image
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import swa_utils  # [ema]
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import default_collate  # [fast-crop]
 from torch.utils.tensorboard import SummaryWriter  # [logs]
 from torchvision.transforms import v2
 from tqdm import tqdm
@@ -144,12 +145,10 @@ def parse_args(argv=None):
 
 
 def build_model(args, num_classes, load_weights=True):
-    """The model: an nn.Module that maps a batch of the data's inputs (on the device; images normalized floats)
-    to num_classes logits. Edit this and build_datasets for your own model and data, nothing else.
-    --arch MODULE:FUNCTION: your FUNCTION(num_classes=N) (and dropout=X with --dropout). Else a torchvision
-    model: --pretrained loads the default weights into every layer whose shape fits: all of them for 1000
-    classes; all but the classifier otherwise (fine-tuning); load_weights=False builds the model for them
-    without loading them (check_model)."""
+    """The model: an nn.Module mapping a batch of inputs (on the device; images as normalized floats) to num_classes
+    logits. Edit this and build_datasets for your own model and data, nothing else. Here a torchvision model, or with
+    --arch MODULE:FUNCTION your FUNCTION(num_classes=N). --pretrained loads the default weights into every layer whose
+    shape fits (for fewer classes, all but the classifier: fine-tuning), unless load_weights=False (check_model)."""
     options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
     if ":" in args.arch:  # [spec]
         model = call_spec(args.arch, "--arch", **options)  # [spec]
@@ -180,12 +179,10 @@ def build_model(args, num_classes, load_weights=True):
 
 
 def build_datasets(args):
-    """(train set, validation set): edit this and build_model for your own data and model, nothing else.
-    Map-style datasets of (input, label): an integer label from 0 to N-1, N the train set's num_classes (or
-    len(classes)); an input is a uint8 RGB image, 3xHxW, which the Prefetcher normalizes on the device, or a
-    tensor of any other dtype and shape, which reaches the model unchanged (check_datasets). Here: ImageFolder
-    or --dummy, whose workers decode and crop; --dataset MODULE:FUNCTION: FUNCTION(args), its uint8 images
-    cropped as ImageFolder's are (ImageCrops)."""
+    """(train set, validation set), map-style datasets of (input, label): edit this and build_model for your own data
+    and model. A label is an integer from 0 to N-1 (N: the train set's num_classes or len(classes)); an input a uint8
+    RGB image, 3xHxW, which the Prefetcher normalizes on the device, or any other tensor, passed on unchanged. Here:
+    ImageFolder, --dummy, or --dataset MODULE:FUNCTION's FUNCTION(args), its uint8 images cropped alike."""
     train_tf = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
     train_tf = RandomResizedCropFlip(args.crop_size)  # [fast-crop]
     val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
@@ -198,13 +195,9 @@ def build_datasets(args):
     if args.dummy:  # [dummy]
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),  # [dummy]
                 SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))  # [dummy]
-    if not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
     sets = []
     for split, tf in (("train", train_tf), ("val", val_tf)):
         root = os.path.join(args.data, split)
-        if not os.path.isdir(root):
-            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
         try:
             sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
         except FileNotFoundError as e:
@@ -233,8 +226,8 @@ def find_processes(args, local_index):
                         f" start the script with torchrun, or unset them to run one process")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent started this process: a preemption when it dies
-        die_with_parent(signal.SIGTERM)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # [preemption]
+        die_with_parent(signal.SIGTERM)  # [preemption]
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
@@ -263,10 +256,9 @@ def start_process_group(args, rank, world_size, device, log):
 
 
 def end_process_group():
-    """Frees the process group while Python is whole, joining gloo's worker threads (left to shutdown, one
-    still releasing a collective's tensors needs the GIL and aborts: "terminate called without an active
-    exception"). Freed only when nothing else holds it: the preemption handlers go first, and torch._dynamo is
-    imported at the top (torch 2.14 keeps references to a group that exists when it is first imported)."""
+    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it). Nothing else may
+    hold it: the preemption handlers go first, and torch._dynamo is imported at the top (torch 2.14 keeps a group
+    that exists when it is first imported)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
     if dist.is_initialized():
@@ -385,9 +377,8 @@ class MasterWeights(torch.amp.GradScaler):
 
 
 def wrap_model(model, args, device, amp_dtype):
-    """(the model that trains, the model that evaluates). DDP all-reduces the gradients during backward(); it
-    would also broadcast buffers before each forward, a collective that evaluation, where ranks may have one
-    batch more or less, must not call: it evaluates the plain model."""
+    """(the model that trains, the model that evaluates). DDP all-reduces the gradients in backward(); evaluation,
+    where ranks may have one batch more or less, must call no collective: it evaluates the plain model."""
     if not dist.is_initialized():
         return model, model
     no_sync = {}
@@ -401,11 +392,9 @@ def wrap_model(model, args, device, amp_dtype):
 
 
 def train_step(run, images, target, args):
-    """One optimizer step on this process's batch, all of it. Forward and backward in --grad-accum-steps
-    micro-batches, each loss divided by their number, so that the summed gradients are the whole batch's: DDP
-    all-reduces them in the last one's backward() only, under no_sync() before. Then --clip-grad-norm on the true
-    gradients (unscaled first; the optimizer's parameters, which are apex O2's fp32 master weights), the step, the
-    schedule. Returns the loss summed over the batch (label smoothing included), the outputs, and 1 if it clipped."""
+    """One optimizer step on this process's batch: forward and backward in --grad-accum-steps micro-batches (DDP
+    all-reduces in the last one's backward only), --clip-grad-norm on the unscaled gradients, the step, the schedule.
+    Returns the loss summed over the batch, the outputs, and 1 if it clipped."""
     ddp = getattr(run.train_model, "_orig_mod", run.train_model)  # the DDP module under torch.compile's wrapper
     no_sync = getattr(ddp, "no_sync", contextlib.nullcontext)  # one process: nothing to hold back
     chunks, loss_sum, outputs, clipped = args.grad_accum_steps, 0, [], 0
@@ -489,21 +478,23 @@ def main_worker(args, local_index=None):
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
     torch.backends.cudnn.benchmark = not args.deterministic
     rank, local_rank, world_size, device = find_processes(args, local_index)
-    log = print_or_drop if rank == 0 else (lambda *a, **k: None)
+    log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
+    log = print_or_drop if rank == 0 else log  # [preemption]
 
-    ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
     sets = build_datasets(args)
-    check_run(args, world_size, device, sets, ckpt_path, ckpt)  # [safety]
+    check_run(args, world_size, device, sets)  # [safety]
     train_set, val_set = sets
     num_classes, local_batch = class_count(train_set), args.batch_size // world_size
+    # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
+    # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
+    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
+    ckpt_path = resume_path(args)
+    ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
     set_seed(args.seed)
     model = build_model(args, num_classes)  # the same initial weights on every rank
     check_fit(ckpt_path, ckpt, model, args)  # [safety]
     claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed + rank)  # but each rank its own dropout draws
-    # before the process group: the loaders fork their workers now, while no thread of gloo's can hold a lock
-    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
     group = start_process_group(args, rank, world_size, device, log)
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
@@ -576,9 +567,8 @@ def main_worker(args, local_index=None):
 
 
 class RunState:
-    """What a run carries from step to step and resumes: the model, optimizer, scheduler and loss scaler, where
-    it is (epoch, step within it), the best validation accuracy, the running sums of a preempted epoch, and the
-    random states. The one place that writes the checkpoint format and reads it back (README: Checkpoints)."""
+    """What a run carries from step to step and resumes: model, optimizer, scheduler, loss scaler, epoch and step,
+    best accuracy, a preempted epoch's running sums, random states. It alone writes and reads the checkpoint format."""
 
     def __init__(self, model, optimizer, scheduler, scaler, amp_dtype):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
@@ -700,12 +690,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def in_range(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. in_range(int, 1)
-    for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
+    """An argparse type: a finite `kind` (int or float) within the bounds given, e.g. in_range(int, 1) for a count.
+    Every numeric flag takes one (tests/test_bad_input.py)."""
     name = "an integer" if kind is int else "a number"
-    limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
-              f"< {below}" if below is not None else ""]
-    wanted = f"{name} {' and '.join(limit for limit in limits if limit)}".strip()
+    limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
+    wanted = f"{name} {' and '.join(limits)}".strip()
 
     def convert(text):
         try:
@@ -722,9 +711,8 @@ def in_range(kind, at_least=None, above=None, below=None):
 
 
 def exit_bad_input(error, reporter):
-    """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
-    met a RankError). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
-    exit stops the others at once, and would otherwise stop the reporting rank before it has printed."""
+    """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
+    to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
     if reporter or isinstance(error, RankError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
@@ -735,32 +723,13 @@ def exit_bad_input(error, reporter):
 
 def join_process_group(args, store, rank, world_size, device):
     """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
-    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
-    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
-    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
+    flag, so that agreeing on it never waits on the GPU."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    try:
-        if "nccl" in backend and device.type == "cuda":
-            gpu = torch.cuda.get_device_properties(device)
-            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
-            store.add(key, 1)
-            if store.add("gpu-check/arrived", 1) == world_size:
-                store.set("gpu-check/done", "1")
-            store.wait(["gpu-check/done"])
-            if store.add(key, 0) > 1:
-                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU "
-                                f"({gpu.name}, cuda:{device.index} here), which NCCL does not allow: start one "
-                                f"process per GPU (Slurm: --gpus-per-task=1), or use --dist-backend gloo")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=args.dist_timeout),
-                                device_id=device if device.type == "cuda" else None)
-        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
-        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
-            if backend != "gloo" else dist.group.WORLD
-    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
-        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
-                        f"a rank elsewhere may have stopped (see the output of every node), or was never started"
-                        ) from None
+    check_shared_gpus(store, world_size, device, backend)  # [safety]
+    timeout = datetime.timedelta(seconds=args.dist_timeout)  # a new group would wait torch's default 30 minutes
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
 
 
 def param_groups(model, args):
@@ -775,10 +744,9 @@ def param_groups(model, args):
 
 
 def new_optimizer(model, args, scaled_loss):
-    """--opt: SGD with momentum, or AdamW. Fused wherever torch has the kernel and it is right, the CPU included
-    (the CPU runs the GPU's optimizer): one kernel, to which GradScaler hands its inf/NaN check on the device. SGD
-    takes the foreach path with a scaled loss (fused SGD skips a step GradScaler finds an inf in, but not the
-    momentum's update: a skipped first step leaves it uninitialized) and for FSDP's DTensors (no sharding rule)."""
+    """--opt: SGD with momentum, or AdamW, fused, the CPU included (one kernel, which takes GradScaler's inf check on
+    the device). SGD goes foreach with a scaled loss (fused SGD would update the momentum on a skipped step) and for
+    FSDP's DTensors."""
     groups = param_groups(model, args)
     if args.opt == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=True)
@@ -823,25 +791,13 @@ def load_image(path):
         raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
-def collate(samples):
-    """apex's fast_collate as the loaders' collate_fn: the workers' uint8 images copied straight into one
-    uint8 batch, channels last (the order the crops lie in); the loader pins it, and the Prefetcher puts it
-    into the model's memory format and normalizes it once, on the device. Other inputs: default_collate."""
-    check_items(samples)  # [safety]
-    if samples[0][0].dtype != torch.uint8:
-        return default_collate(samples)
-    images = torch.empty((len(samples), *samples[0][0].shape), dtype=torch.uint8, memory_format=torch.channels_last)
-    for i, (image, _) in enumerate(samples):
-        images[i].copy_(image)
-    return images, torch.tensor([target for _, target in samples], dtype=torch.int64)
-
-
 def build_loaders(args, train_set, val_set, rank, world_size, device):
     """(train sampler, train batches, validation batches): loaders whose workers decode and crop, behind
     Prefetchers that put the batches on the device. Each rank takes its share of both sets."""
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
-                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate,
-                       worker_init_fn=start_loader_worker)
+                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    loader_args.update(collate_fn=collate)  # [fast-crop]
+    loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
     atexit.register(end_loader_workers)
     train_data = SeededSamples(train_set)
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
@@ -853,11 +809,9 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for every later
-    pass to reuse. A child forked while another thread holds a lock can hang on it for good (pytorch#130610): later
-    this process runs TensorBoard's writer, torch.compile's workers, a pin-memory thread, and gloo's threads, one
-    of which took Python's thread-state lock as a worker forked (seen in CI). Spawned workers copy no lock: they
-    start when first needed. Their seeds' draw takes nothing from the training process's random state."""
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for later passes to
+    reuse: a child forked while another thread holds a lock can hang for good (pytorch#130610), and later threads
+    (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG."""
     for loader in loaders:
         if loader.num_workers and multiprocessing.get_start_method() == "fork":
             sampler, start = loader.sampler, loader.sampler.start
@@ -867,30 +821,9 @@ def fork_loader_workers(*loaders):
             sampler.start = start
 
 
-def start_loader_worker(worker_id):
-    """The loaders' worker_init_fn. Launchers signal a whole process group, loader workers included: a worker
-    ended by SIGTERM or SIGUSR1 would take its training process down before its preemption checkpoint, so workers
-    ignore both. A worker ends with its training process, even one killed with -9, and adds no traceback when
-    that process dies while taking a batch from it."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)
-    report = sys.excepthook
-    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
-
-
-def die_with_parent(signum):
-    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
-    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
-    training process save its preemption checkpoint on the way out."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
-
-
 def end_loader_workers():
-    """At exit, before multiprocessing's own exit hook (registered earlier, so run later), which stops daemonic
-    children with SIGTERM and waits for them: loader workers ignore SIGTERM, and when an uncaught exception has
-    kept a loader alive, that hook would wait forever."""
+    """At exit, before multiprocessing's hook (which stops daemonic children with SIGTERM, which loader workers
+    ignore, and would wait forever for a loader an uncaught exception kept alive)."""
     workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
     if workers:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
@@ -899,9 +832,8 @@ def end_loader_workers():
 
 
 class TrainSampler(DistributedSampler):
-    """DistributedSampler that can start mid-epoch (resume) and hands out (index, seed) pairs. The
-    seed fixes each sample's augmentation from (--seed, epoch, index) alone, so training does not
-    depend on the number of processes or loader workers, or on where an epoch was resumed."""
+    """DistributedSampler that can start mid-epoch and hands out (index, seed) pairs: each sample's augmentation
+    follows from (--seed, epoch, index) alone, whatever the number of processes, workers, or the resume point."""
 
     def __init__(self, dataset, **kwargs):
         super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
@@ -946,9 +878,8 @@ class ShardSampler(Sampler):
 
 
 class Prefetcher:
-    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side CUDA
-    stream on GPU). On the device a uint8 batch of images takes the model's memory format and becomes
-    normalized float, exactly once; inputs of any other dtype are only moved (your data's own business)."""
+    """Yields a loader's batches on the device, one batch ahead (on a side CUDA stream). A uint8 image batch takes the
+    model's memory format and is normalized there; inputs of another dtype are only moved."""
 
     def __init__(self, loader, device, channels_last=False):
         self.loader, self.device = loader, device
@@ -995,9 +926,8 @@ def accuracy(output, target, topk=(1, 5)):
 
 
 class Metrics:
-    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses, samples of steps whose
-    gradients were clipped): updating them never waits for the GPU; `summary` reduces them over all ranks when a
-    number is wanted."""
+    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses, clipped samples), which never
+    wait for the GPU; `summary` reduces them over all ranks."""
 
     def __init__(self, device):
         self.sums = torch.zeros(6, dtype=torch.float64, device=device)
@@ -1013,15 +943,6 @@ class Metrics:
         n_ = max(n, 1)
         return {"loss": loss / n_, "acc1": 100 * c1 / n_, "acc5": 100 * c5 / n_, "clipped": 100 * clipped / n_,
                 "correct1": int(c1), "correct5": int(c5), "count": int(n), "nonfinite": int(bad)}
-
-
-def print_or_drop(*values):
-    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
-    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
-    try:
-        print(*values, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 CHECKPOINT = "checkpoint.pth.tar"
@@ -1051,7 +972,6 @@ def set_rng_state(state):
 def atomic_write(path, write):
     """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
     moment leaves either the old file or the new one, never a torn one."""
-    folder = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -1063,11 +983,6 @@ def atomic_write(path, write):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def tensor_bytes(obj):
@@ -1079,30 +994,18 @@ def tensor_bytes(obj):
 
 
 def save_checkpoint(state, is_best, output_dir):
-    """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
-    gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
+    """checkpoint.pth.tar, and a copy in model_best.pth.tar."""
     path = os.path.join(output_dir, CHECKPOINT)
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        atomic_write(path, lambda f: torch.save(state, f))
-        if is_best:
-            with open(path, "rb") as src:
-                atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        need = tensor_bytes(state) / 2**20
-        free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
-        reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
-                  else str(e).strip().splitlines()[-1][:100])
-        raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
-                        f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
-                        f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
-                        ) from None
+    os.makedirs(output_dir, exist_ok=True)
+    atomic_write(path, lambda f: torch.save(state, f))
+    if is_best:
+        with open(path, "rb") as src:
+            atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
 
 
 def resume_path(args):
-    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
-    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
-    never starts it afresh over the training it holds."""
+    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there,
+    a broken link too: an unreadable checkpoint stops the run, never starts it afresh over the training it holds."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
@@ -1112,9 +1015,8 @@ def resume_path(args):
 
 
 def read_checkpoint(path):
-    """The file's content, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
-    copies weights and optimizer state to the model's device itself, and a copy kept on the GPU would
-    take a model's worth of its memory for the whole run."""
+    """The file's content, on the CPU (set_rng_state takes CPU tensors; load_state_dict copies to the device itself;
+    a copy on the GPU would hold a model's worth of its memory)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
@@ -1142,11 +1044,9 @@ def load_checkpoint(path):
 
 # region [ema]: --model-ema, --model-ema-decay, --model-ema-steps: an average of the weights, evaluated too
 class ModelEMA:
-    """--model-ema: an exponential moving average of the weights (parameters and BatchNorm statistics), updated
-    every --model-ema-steps optimizer steps as ema = decay * ema + (1 - decay) * weights (torch.optim.swa_utils'
-    EMA function). An fp32 copy of the model, whatever precision trains (apex O2: the average of the fp32 master
-    weights). Every rank updates its own from the same all-reduced weights; BatchNorm statistics differ per rank
-    and become rank 0's with sync_buffers, as the model's do, before it is evaluated and saved."""
+    """--model-ema: an fp32 exponential moving average of the weights and BatchNorm statistics, updated every
+    --model-ema-steps steps as ema = decay * ema + (1 - decay) * weights. Every rank updates its own from the same
+    all-reduced weights; its statistics become rank 0's (sync_buffers) before it is evaluated and saved."""
 
     def __init__(self, model, args):
         self.module = copy.deepcopy(model).float().eval().requires_grad_(False)
@@ -1167,8 +1067,6 @@ class ModelEMA:
             log("note: the checkpoint has no --model-ema average: it starts from the resumed weights")
         self.module.load_state_dict(model.state_dict() if state is None else state)
 # endregion [ema]
-
-
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""
@@ -1193,9 +1091,8 @@ def span_common(spans, others):
 
 
 class StepProfiler:
-    """--profile STEPS: torch.profiler over STEPS training steps after WARMUP ones (fewer when the run is too
-    short), on rank 0 (every rank: --profile-all-ranks). Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto
-    opens it) and logs where the step time went; each recorded part of a step waits for the GPU at its end."""
+    """--profile STEPS: torch.profiler over STEPS steps after WARMUP ones, on rank 0 (all: --profile-all-ranks).
+    Writes <output-dir>/profile/rank<R>.pt.trace.json (Perfetto opens it) and logs where the step time went."""
     WARMUP = 5
 
     def __init__(self, run, args, rank, log, steps_per_epoch):
@@ -1213,9 +1110,8 @@ class StepProfiler:
             run.optimizer.register_step_post_hook(lambda *_: self.part(None))
 
     def part(self, name, first=False):
-        """While the profiler records: ends the part of the step being recorded (waiting for the GPU to finish it),
-        and begins the part `name` (none: None). first: only if no part is being recorded (the forward of a later
-        micro-batch belongs to the part its first began)."""
+        """While the profiler records: ends the part of the step being recorded (the GPU done with it), and begins the
+        part `name` (None: none). first: only if none is being recorded (a later micro-batch's forward)."""
         if self.profiler is None or (first and self.part_recorded):
             return
         if self.part_recorded:
@@ -1226,13 +1122,10 @@ class StepProfiler:
 
     @contextlib.contextmanager
     def region(self, name):
-        """A named stretch around the step, recorded (and waited for on the GPU) while the profiler records."""
-        if self.profiler is None:
+        """A named stretch around parts of a step, recorded (the GPU done with it) while the profiler records."""
+        with contextlib.nullcontext() if self.profiler is None else torch.profiler.record_function(name):
             yield
-            return
-        with torch.profiler.record_function(name):
-            yield
-            if self.device.type == "cuda":
+            if self.profiler is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
     def timed(self, batches):
@@ -1263,10 +1156,8 @@ class StepProfiler:
         self.log(f"profile: {self.summary(profiler.events())}; trace in {self.path}")
 
     def summary(self, events):
-        """Where the step time went, in ms per step, the parts adding up to the step: the wait for the batch,
-        forward/backward, the all-reduce time that computation did not hide (DDP: collectives within backward
-        while no computation ran; Horovod: its region "all-reduce", the wait for them), the optimizer step, and
-        the rest (Python, metrics, the preemption check)."""
+        """Where the step time went, in ms per step: waiting for the batch, forward/backward, the all-reduce time that
+        computation did not hide, the optimizer step, and the rest."""
         spans, trainer, on_gpu = {}, {e.thread for e in events if e.name == "train step"}, self.device.type == "cuda"
         for e in events:
             spans.setdefault(e.name, []).append((e.time_range.start, e.time_range.end))
@@ -1299,13 +1190,10 @@ class StepProfiler:
                 + " + ".join(f"{name} {ms / 1e3:.1f}" for name, ms in parts.items())
                 + f" ms; {count / n:g} all-reduces per step")
 # endregion [profile]
-
-
 # region [benchmark]: --benchmark N: the training speed without the input pipeline
 def benchmark(run, args, world_size, log, val_set):
-    """--benchmark: the model, the step and the all-reduce without the input pipeline, on synthetic batches
-    already on the device: this hardware's training speed. Images of --crop-size; with your own data (--dataset,
-    inputs other than uint8 images), the first validation input repeated."""
+    """--benchmark: model, step and all-reduce without the input pipeline, on synthetic batches on the device (of
+    --crop-size; with your own inputs, the first validation input repeated)."""
     device, local_batch = next(run.model.parameters()).device, args.batch_size // world_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     example = val_set[0][0]
@@ -1337,9 +1225,7 @@ def memory_use(run, device):
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
     return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
 # endregion [benchmark]
-
-
-# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
+# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice, a launcher gone): all ranks stop at one step, save
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
     launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
@@ -1382,14 +1268,37 @@ class Preemption:
             run.save(args, rank, is_best=False)
         log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} {where}; continue with --resume auto")
         return self.signum
+
+
+def start_loader_worker(worker_id):
+    """The loaders' worker_init_fn. Launchers signal a whole process group: workers ignore SIGTERM and SIGUSR1, which
+    would take their training process down before its preemption checkpoint; they die with it, quietly."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+    report = sys.excepthook
+    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
+
+
+def die_with_parent(signum):
+    """Linux sends this process `signum` once its parent is gone (prctl PR_SET_PDEATHSIG): a launcher killed with -9
+    leaves no process behind, and a training process saves on SIGTERM."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
+
+
+def print_or_drop(*values):
+    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
+    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
+    try:
+        print(*values, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 # endregion [preemption]
-
-
 # region [tf32]: --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs
 def set_tf32(args, device, log):
-    """TF32: fp32 matmuls and convolutions on the tensor cores of Ampere and newer GPUs, with fp32's range and a
-    10-bit mantissa (as fp16's): several times faster, and accurate enough to train with. On unless --no-tf32;
-    the legacy switches, which every torch release since 1.7 knows."""
+    """TF32: fp32 matmuls and convolutions on Ampere's and later tensor cores, with a 10-bit mantissa: several times
+    faster, accurate enough to train. On unless --no-tf32."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not args.no_tf32
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         log(f"TF32: not on {'this GPU (before Ampere)' if device.type == 'cuda' else 'the CPU'}: full fp32")
@@ -1397,8 +1306,6 @@ def set_tf32(args, device, log):
         log("TF32: off (--no-tf32): full fp32" if args.no_tf32 else
             "TF32: on for fp32 matmuls and convolutions (--no-tf32 turns it off)")
 # endregion [tf32]
-
-
 # region [dummy]: --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
 class SyntheticImages(Dataset):
     """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
@@ -1422,15 +1329,12 @@ class SyntheticImages(Dataset):
         img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
         return self.transform(img.clamp(0, 255).to(torch.uint8)), target
 # endregion [dummy]
-
-
-# region [fast-crop]: the training crop in one step, faster than torchvision's v2 transforms
+# region [fast-crop]: the training crop in one step, and batches copied in memory order: a faster input pipeline
 class RandomResizedCropFlip:
-    """v2.RandomResizedCrop(size) then v2.RandomHorizontalFlip(), in one step, with the same draws in
-    distribution, taken from torch's RNG in one call instead of five or more. A uint8 tensor is cut in
-    channels-last order (decode_jpeg's, the one torch resizes fastest) and resized by v2's kernel (bilinear,
-    antialiased); a PIL image goes through v2.functional. Right after a decode, v2's Python machinery costs
-    almost as much as the resize itself (benchmarks/input_pipeline.py)."""
+    """v2.RandomResizedCrop(size) and v2.RandomHorizontalFlip() in one step, drawn alike from torch's RNG in one
+    call. A uint8 tensor is cut channels-last (decode_jpeg's order) and resized by v2's kernel; a PIL image goes
+    through v2.functional. After a decode, v2's machinery costs about as much as the resize
+    (benchmarks/input_pipeline.py)."""
 
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = [size, size], scale, ratio
@@ -1462,9 +1366,20 @@ class RandomResizedCropFlip:
         else:
             image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
         return v2.functional.horizontal_flip(image) if flip else image
+
+
+def collate(samples):
+    """apex's fast_collate as the loaders' collate_fn: the workers' uint8 images copied straight into one
+    uint8 batch, channels last (the order the crops lie in); the loader pins it, and the Prefetcher puts it
+    into the model's memory format and normalizes it once, on the device. Other inputs: default_collate."""
+    check_items(samples)  # [safety]
+    if samples[0][0].dtype != torch.uint8:
+        return default_collate(samples)
+    images = torch.empty((len(samples), *samples[0][0].shape), dtype=torch.uint8, memory_format=torch.channels_last)
+    for i, (image, _) in enumerate(samples):
+        images[i].copy_(image)
+    return images, torch.tensor([target for _, target in samples], dtype=torch.int64)
 # endregion [fast-crop]
-
-
 # region [spec]: --arch and --dataset MODULE:FUNCTION: your own model and data without editing this file
 def load_spec(spec, flag):
     """--arch or --dataset MODULE:FUNCTION: the function, imported from the current directory or PYTHONPATH."""
@@ -1512,8 +1427,6 @@ class ImageCrops(Dataset):
         fits = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8 and inputs.ndim == 3
         return (self.transform(inputs) if fits else inputs), label
 # endregion [spec]
-
-
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
     """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
@@ -1559,6 +1472,13 @@ def check_args(args):
     if args.pretrained and ":" in args.arch:
         raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own model: load "
                         f"its weights inside {args.arch.split(':')[-1]}, or drop --pretrained")
+    if not (getattr(args, "dummy", 0) or getattr(args, "dataset", None)):  # ImageFolder's folders
+        if not (args.data and os.path.isdir(args.data)):
+            raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or "
+                            f"--dummy")
+        for root in (os.path.join(args.data, "train"), os.path.join(args.data, "val")):
+            if not os.path.isdir(root):
+                raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
     if args.epochs == 0 and not (args.evaluate or getattr(args, "benchmark", 0)):
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
     if args.val_resize < args.crop_size:
@@ -1573,10 +1493,9 @@ def check_args(args):
         raise UserError("--profile records training steps, and -e trains none: drop one of them")  # [profile]
 
 
-def check_run(args, world_size, device, sets, ckpt_path, ckpt):
+def check_run(args, world_size, device, sets):
     """Everything else that can fail on bad input, checked before any process waits for another: the batch for
-    the world size, the launcher's own flags, the checkpoint's model (its weights: check_fit, once the model is
-    built), the datasets (check_datasets) and the model on them (check_model)."""
+    the world size, the launcher's own flags, the datasets (check_datasets) and the model on them (check_model)."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -1584,12 +1503,6 @@ def check_run(args, world_size, device, sets, ckpt_path, ckpt):
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
     check_launch_args(args, world_size, device)
-    arch = ckpt and ckpt.get("arch", args.arch)
-    if ckpt and arch not in MODEL_NAMES and ":" not in str(arch):
-        raise UserError(f"{ckpt_path} holds a {arch} model, not a torchvision classification model: it is "
-                        f"another script's checkpoint; resume it with that script")
-    if ckpt and arch != args.arch:
-        raise UserError(f"{ckpt_path} holds a {arch} model, not {args.arch}: pass -a {arch} or another checkpoint")
     train_set, val_set, num_classes, example = check_datasets(sets, args)
     if len(train_set) < args.batch_size and not args.evaluate:
         raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
@@ -1698,11 +1611,16 @@ def check_model(args, num_classes=1000, example=None):
 
 
 def check_fit(path, ckpt, model, args):
-    """Refuses, before any process waits for another, a checkpoint that does not fit the run the command line
-    asks for: its dropout, its weights' names and shapes, its classes (load_state_dict would stop every rank
-    later, with a traceback). The line names both sides."""
+    """Refuses, before any process waits for another, a checkpoint that does not fit the command line (its model,
+    dropout, weights, classes), in one line that names both sides, not load_state_dict's traceback on every rank."""
     if not ckpt:
         return
+    arch = ckpt.get("arch", args.arch)
+    if arch not in MODEL_NAMES and ":" not in str(arch):
+        raise UserError(f"{path} holds a {arch} model, not a torchvision classification model: it is another "
+                        f"script's checkpoint; resume it with that script")
+    if arch != args.arch:
+        raise UserError(f"{path} holds a {arch} model, not {args.arch}: pass -a {arch} or another checkpoint")
     trained = ckpt.get("args", {}).get("dropout", args.dropout)
     if trained != args.dropout and not args.evaluate:
         said = {value: "the model's own dropout" if value is None else f"--dropout {value}"
@@ -1734,6 +1652,41 @@ def check_fit(path, ckpt, model, args):
     if lacking and not args.evaluate:  # weights alone: another tool's, or a compiled model's state_dict saved by hand
         raise UserError(f"{path} holds weights but no training state ({', '.join(lacking)}): evaluate it with -e; "
                         f"training resumes from this repository's checkpoints only")
+
+
+def check_shared_gpus(store, world_size, device, backend):
+    """Processes that share a GPU (one GPU for several Slurm tasks, two launchers on one machine), which NCCL answers
+    with "Duplicate GPU detected" deep in a traceback: each counts itself in under its machine and GPU."""
+    if "nccl" not in backend or device.type != "cuda":
+        return
+    gpu = torch.cuda.get_device_properties(device)
+    key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+    store.add(key, 1)
+    if store.add("gpu-check/arrived", 1) == world_size:
+        store.set("gpu-check/done", "1")
+    store.wait(["gpu-check/done"])
+    if store.add(key, 0) > 1:
+        raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU ({gpu.name}, "
+                        f"cuda:{device.index} here), which NCCL does not allow: start one process per GPU (Slurm: "
+                        f"--gpus-per-task=1), or use --dist-backend gloo")
+
+
+def explain_failed_save(save_checkpoint):
+    """save_checkpoint, whose failure to write (the disk full, the folder gone; the previous files stay whole) stops
+    the run with one line that says how much room a checkpoint needs."""
+    def save(state, is_best, output_dir):
+        try:
+            save_checkpoint(state, is_best, output_dir)
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+            need = tensor_bytes(state) / 2**20
+            free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
+            reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
+                      else str(e).strip().splitlines()[-1][:100])
+            raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
+                            f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
+                            f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
+                            ) from None
+    return save
 
 
 def check_same_checkpoint(views):
@@ -1783,6 +1736,10 @@ def explain_failure(error, args):
     DataLoader worker killed (the out-of-memory killer, mostly); any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
+    if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
+        return UserError(f"not every rank joined the process group within --dist-timeout "
+                         f"{getattr(args, 'dist_timeout', 0):g}s: a rank elsewhere may have stopped (see the output "
+                         f"of every node), or was never started")
     try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a closed pipe)
         torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
     except RuntimeError as killed:
@@ -1848,10 +1805,9 @@ def safety_net(main_worker):
 
 
 def catch_ctrl_c():
-    """Ctrl-C reaches every process of a job at once (a terminal signals its whole foreground group, and the
-    launchers pass theirs on too): the first SIGINT stops this process where it is (KeyboardInterrupt, which
-    main turns into exit_ctrl_c), those after it cannot cut its cleanup short, and a peer that stopped first is
-    no failure to report (catch_ctrl_c.pressed). Not where SIGINT was ignored at start (nohup, a background job)."""
+    """Ctrl-C reaches every process of a job at once: the first SIGINT stops this one where it is (main turns the
+    KeyboardInterrupt into exit_ctrl_c), later ones cannot cut its cleanup short, and a peer that stopped first is
+    no failure (catch_ctrl_c.pressed). Not where SIGINT was ignored at start (nohup, a background job)."""
     def pressed(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         catch_ctrl_c.pressed = True
@@ -1863,8 +1819,7 @@ def catch_ctrl_c():
 
 
 def exit_ctrl_c(reporter):
-    """Exit code 130, a shell's for Ctrl-C, with one line from the reporting rank instead of a traceback from
-    every process."""
+    """Exit code 130 (a shell's for Ctrl-C), one line from the reporting rank instead of every process's traceback."""
     if reporter:
         print("stopped by Ctrl-C, without saving: --resume auto continues from the last checkpoint (SIGTERM or "
               "SIGUSR1 stop a run after saving where it is)", file=sys.stderr, flush=True)
@@ -1872,9 +1827,8 @@ def exit_ctrl_c(reporter):
 
 
 def claim_output_dir(args, rank, log):
-    """Rank 0 of a training run makes --output-dir and locks it until it ends, so that a second run given the
-    same folder stops at once instead of writing over this one's checkpoints. The lock is the kernel's (lockf):
-    a run that crashed or was killed holds it no more. The open lock file stays in claim_output_dir.lock."""
+    """Rank 0 of a training run locks --output-dir until it ends (lockf: a killed run holds it no more), so that a
+    second run given it stops at once. The open lock file stays in claim_output_dir.lock."""
     if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
         return
     path = os.path.join(args.output_dir, "run.lock")
@@ -1903,6 +1857,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+save_checkpoint = explain_failed_save(save_checkpoint)
 # endregion [safety]
 
 

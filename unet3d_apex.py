@@ -30,7 +30,7 @@ and metrics, checks and checkpoints); an appendix of the helpers every script ca
 import argparse
 import atexit
 import contextlib
-import ctypes
+import ctypes  # [preemption]
 import datetime
 import fcntl  # [safety]
 import inspect
@@ -42,7 +42,7 @@ import os
 import random
 import shutil
 import signal
-import socket
+import socket  # [safety]
 import sys
 import time
 
@@ -147,8 +147,8 @@ def find_processes(args, local_index):
                         f" start the script with torchrun, or unset them to run one process")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent started this process: a preemption when it dies
-        die_with_parent(signal.SIGTERM)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # [preemption]
+        die_with_parent(signal.SIGTERM)  # [preemption]
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
@@ -177,10 +177,9 @@ def start_process_group(args, rank, world_size, device, log):
 
 
 def end_process_group():
-    """Frees the process group while Python is whole, joining gloo's worker threads (left to shutdown, one
-    still releasing a collective's tensors needs the GIL and aborts: "terminate called without an active
-    exception"). Freed only when nothing else holds it: the preemption handlers go first, and torch._dynamo is
-    imported at the top (torch 2.14 keeps references to a group that exists when it is first imported)."""
+    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it). Nothing else may
+    hold it: the preemption handlers go first, and torch._dynamo is imported at the top (torch 2.14 keeps a group
+    that exists when it is first imported)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
     if dist.is_initialized():
@@ -216,9 +215,8 @@ def setup_precision(model, optimizer, args, device, log):
 
 
 def wrap_model(model, args, device, amp_dtype):
-    """(the model that trains, the model that evaluates). DDP all-reduces the gradients during backward(); it
-    would also broadcast buffers before each forward, a collective that evaluation, where ranks may have one
-    batch more or less, must not call: it evaluates the plain model."""
+    """(the model that trains, the model that evaluates). DDP all-reduces the gradients in backward(); evaluation,
+    where ranks may have one batch more or less, must call no collective: it evaluates the plain model."""
     if not dist.is_initialized():
         return model, model
     no_sync = {}
@@ -304,7 +302,8 @@ def main_worker(args, local_index=None):
         torch.use_deterministic_algorithms(True, warn_only=True)  # 3D pooling backward has no deterministic CUDA kernel
     torch.backends.cudnn.benchmark = not args.deterministic
     rank, local_rank, world_size, device = find_processes(args, local_index)
-    log = print_or_drop if rank == 0 else (lambda *a, **k: None)
+    log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
+    log = print_or_drop if rank == 0 else log  # [preemption]
 
     train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, rank, world_size, device)
     claim_output_dir(args, rank, log)  # [safety]
@@ -557,12 +556,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def in_range(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite number of `kind` (int or float) within the bounds given, e.g. in_range(int, 1)
-    for a count. Every numeric flag takes one, so that no value skips its range (tests/test_bad_input.py)."""
+    """An argparse type: a finite `kind` (int or float) within the bounds given, e.g. in_range(int, 1) for a count.
+    Every numeric flag takes one (tests/test_bad_input.py)."""
     name = "an integer" if kind is int else "a number"
-    limits = [f">= {at_least}" if at_least is not None else "", f"> {above}" if above is not None else "",
-              f"< {below}" if below is not None else ""]
-    wanted = f"{name} {' and '.join(limit for limit in limits if limit)}".strip()
+    limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
+    wanted = f"{name} {' and '.join(limits)}".strip()
 
     def convert(text):
         try:
@@ -579,9 +577,8 @@ def in_range(kind, at_least=None, above=None, below=None):
 
 
 def exit_bad_input(error, reporter):
-    """Exit code 2 on bad input, with one `error:` line from the reporting rank (or from each rank that
-    met a RankError). A silent rank first waits up to 30 s to be stopped: a launcher that sees one process
-    exit stops the others at once, and would otherwise stop the reporting rank before it has printed."""
+    """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
+    to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
     if reporter or isinstance(error, RankError):
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
@@ -592,39 +589,20 @@ def exit_bad_input(error, reporter):
 
 def join_process_group(args, store, rank, world_size, device):
     """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
-    flag, so that agreeing on it never waits on the GPU. First, a check NCCL answers only with "Duplicate
-    GPU detected" deep in a traceback: processes that share a GPU (one GPU visible to several Slurm tasks,
-    two launchers started as two nodes on one machine). Each counts itself in under its machine and GPU."""
+    flag, so that agreeing on it never waits on the GPU."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
-    try:
-        if "nccl" in backend and device.type == "cuda":
-            gpu = torch.cuda.get_device_properties(device)
-            key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
-            store.add(key, 1)
-            if store.add("gpu-check/arrived", 1) == world_size:
-                store.set("gpu-check/done", "1")
-            store.wait(["gpu-check/done"])
-            if store.add(key, 0) > 1:
-                raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU "
-                                f"({gpu.name}, cuda:{device.index} here), which NCCL does not allow: start one "
-                                f"process per GPU (Slurm: --gpus-per-task=1), or use --dist-backend gloo")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=args.dist_timeout),
-                                device_id=device if device.type == "cuda" else None)
-        # (the timeout named: a new group would wait torch's default 30 minutes, whatever --dist-timeout says)
-        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.dist_timeout)) \
-            if backend != "gloo" else dist.group.WORLD
-    except dist.DistStoreError:  # a peer that never came: a traceback here would hide the one that says why
-        raise UserError(f"not every rank joined the process group within --dist-timeout {args.dist_timeout:g}s: "
-                        f"a rank elsewhere may have stopped (see the output of every node), or was never started"
-                        ) from None
+    check_shared_gpus(store, world_size, device, backend)  # [safety]
+    timeout = datetime.timedelta(seconds=args.dist_timeout)  # a new group would wait torch's default 30 minutes
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
 
 
 def build_loaders(args, train_set, val_set, rank, world_size, device):
     """(train sampler, train batches, validation volumes): each rank takes its share of the patches and of
     the whole volumes, which DevicePrefetchers put on the device."""
-    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
-                       worker_init_fn=start_loader_worker)
+    loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
     atexit.register(end_loader_workers)
     train_data = SeededSamples(RandomPatches(train_set, args.patch_size, args.patches_per_volume))
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
@@ -734,11 +712,9 @@ class SegMetrics:
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for every later
-    pass to reuse. A child forked while another thread holds a lock can hang on it for good (pytorch#130610): later
-    this process runs TensorBoard's writer, torch.compile's workers, a pin-memory thread, and gloo's threads, one
-    of which took Python's thread-state lock as a worker forked (seen in CI). Spawned workers copy no lock: they
-    start when first needed. Their seeds' draw takes nothing from the training process's random state."""
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for later passes to
+    reuse: a child forked while another thread holds a lock can hang for good (pytorch#130610), and later threads
+    (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG."""
     for loader in loaders:
         if loader.num_workers and multiprocessing.get_start_method() == "fork":
             sampler, start = loader.sampler, loader.sampler.start
@@ -748,30 +724,9 @@ def fork_loader_workers(*loaders):
             sampler.start = start
 
 
-def start_loader_worker(worker_id):
-    """The loaders' worker_init_fn. Launchers signal a whole process group, loader workers included: a worker
-    ended by SIGTERM or SIGUSR1 would take its training process down before its preemption checkpoint, so workers
-    ignore both. A worker ends with its training process, even one killed with -9, and adds no traceback when
-    that process dies while taking a batch from it."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)
-    report = sys.excepthook
-    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
-
-
-def die_with_parent(signum):
-    """Asks Linux to send this process `signum` once the process that started it is gone (prctl option 1,
-    PR_SET_PDEATHSIG): a launcher killed with -9 or by the OOM killer leaves no process behind. SIGTERM lets a
-    training process save its preemption checkpoint on the way out."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
-
-
 def end_loader_workers():
-    """At exit, before multiprocessing's own exit hook (registered earlier, so run later), which stops daemonic
-    children with SIGTERM and waits for them: loader workers ignore SIGTERM, and when an uncaught exception has
-    kept a loader alive, that hook would wait forever."""
+    """At exit, before multiprocessing's hook (which stops daemonic children with SIGTERM, which loader workers
+    ignore, and would wait forever for a loader an uncaught exception kept alive)."""
     workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
     if workers:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
@@ -780,9 +735,8 @@ def end_loader_workers():
 
 
 class TrainSampler(DistributedSampler):
-    """DistributedSampler that can start mid-epoch (resume) and hands out (index, seed) pairs. The
-    seed fixes each sample's augmentation from (--seed, epoch, index) alone, so training does not
-    depend on the number of processes or loader workers, or on where an epoch was resumed."""
+    """DistributedSampler that can start mid-epoch and hands out (index, seed) pairs: each sample's augmentation
+    follows from (--seed, epoch, index) alone, whatever the number of processes, workers, or the resume point."""
 
     def __init__(self, dataset, **kwargs):
         super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
@@ -826,15 +780,6 @@ class ShardSampler(Sampler):
         return len(self.indices[self.start:])
 
 
-def print_or_drop(*values):
-    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
-    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
-    try:
-        print(*values, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
 CHECKPOINT = "checkpoint.pth.tar"
 
 
@@ -862,7 +807,6 @@ def set_rng_state(state):
 def atomic_write(path, write):
     """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
     moment leaves either the old file or the new one, never a torn one."""
-    folder = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -874,11 +818,6 @@ def atomic_write(path, write):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def tensor_bytes(obj):
@@ -890,30 +829,18 @@ def tensor_bytes(obj):
 
 
 def save_checkpoint(state, is_best, output_dir):
-    """checkpoint.pth.tar, and a copy in model_best.pth.tar. A write that fails (the disk full, the folder
-    gone) leaves the previous files whole, and stops the run with one line that says how much room it needs."""
+    """checkpoint.pth.tar, and a copy in model_best.pth.tar."""
     path = os.path.join(output_dir, CHECKPOINT)
-    try:
-        os.makedirs(output_dir, exist_ok=True)
-        atomic_write(path, lambda f: torch.save(state, f))
-        if is_best:
-            with open(path, "rb") as src:
-                atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
-        need = tensor_bytes(state) / 2**20
-        free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
-        reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
-                  else str(e).strip().splitlines()[-1][:100])
-        raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
-                        f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
-                        f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
-                        ) from None
+    os.makedirs(output_dir, exist_ok=True)
+    atomic_write(path, lambda f: torch.save(state, f))
+    if is_best:
+        with open(path, "rb") as src:
+            atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
 
 
 def resume_path(args):
-    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there
-    under its name, a link to nothing too: a checkpoint that cannot be read stops the run (read_checkpoint says why),
-    never starts it afresh over the training it holds."""
+    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there,
+    a broken link too: an unreadable checkpoint stops the run, never starts it afresh over the training it holds."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
@@ -923,9 +850,8 @@ def resume_path(args):
 
 
 def read_checkpoint(path):
-    """The file's content, on the CPU: random states must reach set_rng_state as CPU tensors, load_state_dict
-    copies weights and optimizer state to the model's device itself, and a copy kept on the GPU would
-    take a model's worth of its memory for the whole run."""
+    """The file's content, on the CPU (set_rng_state takes CPU tensors; load_state_dict copies to the device itself;
+    a copy on the GPU would hold a model's worth of its memory)."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
@@ -1117,9 +1043,7 @@ def note_small_volumes(volumes, patch, log):
 # Part 2, features: one block each, for the flags its first line names. Keep what you use; delete a block
 # whole by its markers (the docstring says how).
 # =============================================================================================
-
-
-# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice): every rank stops at the same step, saves, exits
+# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice, a launcher gone): all ranks stop at one step, save
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
     launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
@@ -1162,9 +1086,33 @@ class Preemption:
             run.save(args, rank, is_best=False)
         log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} {where}; continue with --resume auto")
         return self.signum
+
+
+def start_loader_worker(worker_id):
+    """The loaders' worker_init_fn. Launchers signal a whole process group: workers ignore SIGTERM and SIGUSR1, which
+    would take their training process down before its preemption checkpoint; they die with it, quietly."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+    report = sys.excepthook
+    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
+
+
+def die_with_parent(signum):
+    """Linux sends this process `signum` once its parent is gone (prctl PR_SET_PDEATHSIG): a launcher killed with -9
+    leaves no process behind, and a training process saves on SIGTERM."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
+
+
+def print_or_drop(*values):
+    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
+    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
+    try:
+        print(*values, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 # endregion [preemption]
-
-
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
     """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
@@ -1195,6 +1143,41 @@ def check_args(args):
     checked here, right after parsing, before any process waits for another."""
     if args.epochs == 0 and not args.evaluate:
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+
+
+def check_shared_gpus(store, world_size, device, backend):
+    """Processes that share a GPU (one GPU for several Slurm tasks, two launchers on one machine), which NCCL answers
+    with "Duplicate GPU detected" deep in a traceback: each counts itself in under its machine and GPU."""
+    if "nccl" not in backend or device.type != "cuda":
+        return
+    gpu = torch.cuda.get_device_properties(device)
+    key = f"gpu-check/{socket.gethostname()}/{getattr(gpu, 'uuid', device.index)}"
+    store.add(key, 1)
+    if store.add("gpu-check/arrived", 1) == world_size:
+        store.set("gpu-check/done", "1")
+    store.wait(["gpu-check/done"])
+    if store.add(key, 0) > 1:
+        raise RankError(f"{store.add(key, 0)} processes on {socket.gethostname()} use the same GPU ({gpu.name}, "
+                        f"cuda:{device.index} here), which NCCL does not allow: start one process per GPU (Slurm: "
+                        f"--gpus-per-task=1), or use --dist-backend gloo")
+
+
+def explain_failed_save(save_checkpoint):
+    """save_checkpoint, whose failure to write (the disk full, the folder gone; the previous files stay whole) stops
+    the run with one line that says how much room a checkpoint needs."""
+    def save(state, is_best, output_dir):
+        try:
+            save_checkpoint(state, is_best, output_dir)
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+            need = tensor_bytes(state) / 2**20
+            free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
+            reason = ("no space left" if free < need else e.strerror if isinstance(e, OSError) and e.strerror
+                      else str(e).strip().splitlines()[-1][:100])
+            raise RankError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): a checkpoint "
+                            f"takes about {need:.0f} MiB (twice that while it replaces the last one), {free:.0f} MiB "
+                            f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
+                            ) from None
+    return save
 
 
 def check_same_checkpoint(views):
@@ -1232,6 +1215,10 @@ def explain_failure(error, args):
     DataLoader worker killed (the out-of-memory killer, mostly); any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
+    if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
+        return UserError(f"not every rank joined the process group within --dist-timeout "
+                         f"{getattr(args, 'dist_timeout', 0):g}s: a rank elsewhere may have stopped (see the output "
+                         f"of every node), or was never started")
     try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a closed pipe)
         torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
     except RuntimeError as killed:
@@ -1297,10 +1284,9 @@ def safety_net(main_worker):
 
 
 def catch_ctrl_c():
-    """Ctrl-C reaches every process of a job at once (a terminal signals its whole foreground group, and the
-    launchers pass theirs on too): the first SIGINT stops this process where it is (KeyboardInterrupt, which
-    main turns into exit_ctrl_c), those after it cannot cut its cleanup short, and a peer that stopped first is
-    no failure to report (catch_ctrl_c.pressed). Not where SIGINT was ignored at start (nohup, a background job)."""
+    """Ctrl-C reaches every process of a job at once: the first SIGINT stops this one where it is (main turns the
+    KeyboardInterrupt into exit_ctrl_c), later ones cannot cut its cleanup short, and a peer that stopped first is
+    no failure (catch_ctrl_c.pressed). Not where SIGINT was ignored at start (nohup, a background job)."""
     def pressed(signum, frame):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         catch_ctrl_c.pressed = True
@@ -1312,8 +1298,7 @@ def catch_ctrl_c():
 
 
 def exit_ctrl_c(reporter):
-    """Exit code 130, a shell's for Ctrl-C, with one line from the reporting rank instead of a traceback from
-    every process."""
+    """Exit code 130 (a shell's for Ctrl-C), one line from the reporting rank instead of every process's traceback."""
     if reporter:
         print("stopped by Ctrl-C, without saving: --resume auto continues from the last checkpoint (SIGTERM or "
               "SIGUSR1 stop a run after saving where it is)", file=sys.stderr, flush=True)
@@ -1321,9 +1306,8 @@ def exit_ctrl_c(reporter):
 
 
 def claim_output_dir(args, rank, log):
-    """Rank 0 of a training run makes --output-dir and locks it until it ends, so that a second run given the
-    same folder stops at once instead of writing over this one's checkpoints. The lock is the kernel's (lockf):
-    a run that crashed or was killed holds it no more. The open lock file stays in claim_output_dir.lock."""
+    """Rank 0 of a training run locks --output-dir until it ends (lockf: a killed run holds it no more), so that a
+    second run given it stops at once. The open lock file stays in claim_output_dir.lock."""
     if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
         return
     path = os.path.join(args.output_dir, "run.lock")
@@ -1352,6 +1336,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
+save_checkpoint = explain_failed_save(save_checkpoint)
 # endregion [safety]
 
 

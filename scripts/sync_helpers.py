@@ -27,15 +27,16 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 # the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
 SEAMS = ["build_model", "build_datasets"]
 NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group", "param_groups",
-         "new_optimizer", "lr_factor", "class_count", "IMAGENET_MEAN", "IMAGENET_STD", "load_image", "collate",
-         "build_loaders", "fork_loader_workers", "start_loader_worker", "die_with_parent", "end_loader_workers",
-         "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher", "accuracy", "Metrics", "print_or_drop",
-         "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write", "tensor_bytes", "save_checkpoint",
-         "resume_path", "read_checkpoint", "load_checkpoint"]
+         "new_optimizer", "lr_factor", "class_count", "IMAGENET_MEAN", "IMAGENET_STD", "load_image", "build_loaders",
+         "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher",
+         "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write", "tensor_bytes",
+         "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
 FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark", "memory_use", "Preemption",
-            "set_tf32", "SyntheticImages", "RandomResizedCropFlip", "load_spec", "call_spec", "ImageCrops",
+            "start_loader_worker", "die_with_parent", "print_or_drop", "set_tf32",
+            "SyntheticImages", "RandomResizedCropFlip", "collate", "load_spec", "call_spec", "ImageCrops",
             "open_writer", "write_epoch"]
-SAFETY = ["check_args", "check_run", "check_datasets", "check_model", "check_fit", "check_same_checkpoint",
+SAFETY = ["check_args", "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus",
+          "explain_failed_save", "check_same_checkpoint",
           "check_items", "check_finite", "PEER_GONE", "PEER_GONE_TYPES", "explain_failure", "safety_net",
           "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
@@ -61,7 +62,8 @@ OWN = {
                        "check_finite", "evaluate", "build_datasets", "build_loaders", "load_checkpoint"},
 }
 # shared names a sibling has no use for: no process group of torch.distributed's
-NOT_CARRIED = {"dataparallel.py": {"join_process_group"}, "horovod_distributed.py": {"join_process_group"},
+NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus"},
+               "horovod_distributed.py": {"join_process_group", "check_shared_gpus"},
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups", "new_optimizer",
                                   "lr_factor", "check_run", "ModelEMA", "set_tf32",
