@@ -20,15 +20,14 @@ dynamic loss scaling for float16); the loader collates uint8 straight into one b
 checkpoints keep fp32 weights at every level. apex itself is not needed: torch's fused SGD replaces its FusedSGD.
 
 Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line,
-build_model and build_datasets (edit these two for your own model and data), the launcher part (how the
-processes find each other, the process group, wrapping the model, the optimizer step, sums over processes),
-the training flow (main -> main_worker -> train_one_epoch / evaluate) and what every run needs. Part 2 holds
-the optional features, a block each; part 3 is the safety net: checks, and failures told in one line.
+build_model and build_datasets (edit these two for your own model and data), the launcher part, the training
+flow (main -> main_worker -> train_one_epoch / evaluate) and what every run needs. Part 2 holds the optional
+features, a block each; part 3 is the safety net: checks, and failures told in one line.
 
 Every block of parts 2 and 3 lies between a line `# region [NAME]` and a line `# endregion [NAME]`, and every
-line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b).
-Delete a block and its tagged lines, nothing else, and the rest runs; delete every block for the core. One
-command does it (README: Copy only what you need), for the block ema here:
+line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a
+block and its tagged lines, nothing else, and the rest runs; delete every block for the core. For the block ema
+(README: Copy only what you need):
 
     sed -E -i '/^ *# region \[ema\]/,/^ *# endregion \[ema\]/d; /#( \[[a-z0-9-]+\])* \[ema\]( \[[a-z0-9-]+\])*$/d' FILE
 """
@@ -238,13 +237,11 @@ def find_processes(args, local_index):
 
 
 def check_launch_args(args, world_size, device):
-    """The flags this launcher adds or reads its own way, checked before any process waits for another: none
-    can be wrong here."""
+    """The flags this launcher reads its own way, checked before any process waits for another: none here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
-    """Starts the process group (none for one process). Returns the group the processes agree on preemption
-    in, None without one."""
+    """Starts the process group (none for one process); returns the CPU group for preemption, or None."""
     if "WORLD_SIZE" not in os.environ:
         return None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
@@ -272,8 +269,7 @@ def describe_processes(args, world_size, device, group):
 
 
 def prepare_model(model, args, device, log):
-    """The model on this process's device, in the memory format asked for; with --sync-bn, BatchNorm layers
-    that compute their statistics over the whole global batch."""
+    """The model on this process's device, in the memory format asked for; --sync-bn: SyncBatchNorm layers."""
     if args.sync_bn and device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn:
@@ -420,8 +416,7 @@ def train_step(run, images, target, args):
 
 
 def reduce_tensor(tensor):
-    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
-    samples were split between ranks."""
+    """Sum over all processes (a copy): sums, not means, keep ratios exact however ranks split the samples."""
     tensor = tensor.clone()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor)
@@ -471,8 +466,7 @@ def main():
 
 
 def main_worker(args, local_index=None):
-    """One training process, from finding its peers to its last checkpoint. Returns the signal that
-    stopped it for preemption (its checkpoint written), or None."""
+    """One training process, from finding its peers to its last checkpoint; returns a preempting signal or None."""
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
@@ -682,16 +676,14 @@ class RankError(UserError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
-    prints its usage from every rank, and exits), exit code 2."""
+    """argparse whose errors are UserErrors: one `error:` line from the reporting rank, exit code 2."""
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
 
 
 def in_range(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite `kind` (int or float) within the bounds given, e.g. in_range(int, 1) for a count.
-    Every numeric flag takes one (tests/test_bad_input.py)."""
+    """An argparse type: a finite `kind` (int or float) within the bounds given; every numeric flag takes one."""
     name = "an integer" if kind is int else "a number"
     limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
     wanted = f"{name} {' and '.join(limits)}".strip()
@@ -722,8 +714,7 @@ def exit_bad_input(error, reporter):
 
 
 def join_process_group(args, store, rank, world_size, device):
-    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
-    flag, so that agreeing on it never waits on the GPU."""
+    """The process group, on a rendezvous store; returns a CPU group for the preemption flag (no GPU wait)."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     check_shared_gpus(store, world_size, device, backend)  # [safety]
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # a new group would wait torch's default 30 minutes
@@ -792,8 +783,7 @@ def load_image(path):
 
 
 def build_loaders(args, train_set, val_set, rank, world_size, device):
-    """(train sampler, train batches, validation batches): loaders whose workers decode and crop, behind
-    Prefetchers that put the batches on the device. Each rank takes its share of both sets."""
+    """(train sampler, train batches, validation batches): each rank's share, on the device (Prefetcher)."""
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
                        pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     loader_args.update(collate_fn=collate)  # [fast-crop]
@@ -970,8 +960,7 @@ def set_rng_state(state):
 
 
 def atomic_write(path, write):
-    """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
-    moment leaves either the old file or the new one, never a torn one."""
+    """write(file) to a temporary file, fsync, rename over `path`: a crash leaves the old file or the new one."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -1308,8 +1297,7 @@ def set_tf32(args, device, log):
 # endregion [tf32]
 # region [dummy]: --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
 class SyntheticImages(Dataset):
-    """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
-    its own noise; image i is the same on every call, rank and run."""
+    """A learnable stand-in for ImageNet: colour and stripes by class, noise by image, the same on every call."""
 
     def __init__(self, size, num_classes, image_size, transform, offset=0):
         self.size, self.num_classes, self.image_size = size, num_classes, image_size
@@ -1460,8 +1448,7 @@ MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def check_args(args):
-    """What no single flag's range says: the flags together, and the model's name. With the ranges in
-    parse_args, every value is checked here, right after parsing, before any process waits for another."""
+    """The flags together and the model's name, right after parsing (each flag's range: parse_args)."""
     if ":" not in args.arch and args.arch not in MODEL_NAMES:
         raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
                         f"(torchvision.models.list_models() has {len(MODEL_NAMES)}), or your own as MODULE:FUNCTION")
@@ -1494,8 +1481,7 @@ def check_args(args):
 
 
 def check_run(args, world_size, device, sets):
-    """Everything else that can fail on bad input, checked before any process waits for another: the batch for
-    the world size, the launcher's own flags, the datasets (check_datasets) and the model on them (check_model)."""
+    """The rest of bad input, before any process waits for another: batch, launcher flags, data, model."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -1672,8 +1658,7 @@ def check_shared_gpus(store, world_size, device, backend):
 
 
 def explain_failed_save(save_checkpoint):
-    """save_checkpoint, whose failure to write (the disk full, the folder gone; the previous files stay whole) stops
-    the run with one line that says how much room a checkpoint needs."""
+    """save_checkpoint; a failed write (disk full, folder gone) stops the run in one line: the room needed."""
     def save(state, is_best, output_dir):
         try:
             save_checkpoint(state, is_best, output_dir)
@@ -1690,8 +1675,7 @@ def explain_failed_save(save_checkpoint):
 
 
 def check_same_checkpoint(views):
-    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
-    points wait for each other at different steps until the job times out."""
+    """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
     if len(set(views)) > 1:
         seen = {}
         for rank, view in enumerate(views):

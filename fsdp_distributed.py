@@ -257,8 +257,8 @@ def check_launch_args(args, world_size, device):
 
 
 def start_process_group(args, rank, world_size, device, log):
-    """Starts the process group: torchrun's, or without torchrun one of a single process (fully_shard needs a
-    group; it shards nothing then). Returns the group the processes agree on preemption in, None for one."""
+    """Starts the process group (one of a single process without torchrun: fully_shard needs one); returns the CPU
+    group for preemption, None for one process."""
     if "WORLD_SIZE" not in os.environ:
         join_process_group(args, dist.HashStore(), 0, 1, device)
         return None
@@ -375,12 +375,9 @@ def wrap_model(model, args, device, amp_dtype):
 
 
 def train_step(run, images, target, args):
-    """One optimizer step on this process's batch, all of it. Forward and backward in --grad-accum-steps
-    micro-batches, each loss divided by their number, so that the summed gradients are the whole batch's: FSDP
-    reduce-scatters them in the last one's backward() only, held back before (unsharded, as DDP's no_sync keeps
-    them). Then --clip-grad-norm on the true gradients (unscaled first; the norm over every rank's shards), the
-    step, the schedule. Returns the loss summed over the batch (label smoothing included), the outputs, and 1 if it
-    clipped."""
+    """One optimizer step on this process's batch: forward and backward in --grad-accum-steps micro-batches (FSDP
+    reduce-scatters in the last one's backward only), --clip-grad-norm on the unscaled gradients (the norm over all
+    ranks' shards), the step, the schedule. Returns the loss summed over the batch, the outputs, and 1 if it clipped."""
     no_sync = functools.partial(gradient_sync_held, run.model)
     chunks, loss_sum, outputs, clipped = args.grad_accum_steps, 0, [], 0
     run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
@@ -415,8 +412,7 @@ def gradient_sync_held(model):
 
 
 def reduce_tensor(tensor):
-    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
-    samples were split between ranks."""
+    """Sum over all processes (a copy): sums, not means, keep ratios exact however ranks split the samples."""
     tensor = tensor.clone()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor)
@@ -523,8 +519,7 @@ def main():
 
 
 def main_worker(args, local_index=None):
-    """One training process, from finding its peers to its last checkpoint. Returns the signal that
-    stopped it for preemption (its checkpoint written), or None."""
+    """One training process, from finding its peers to its last checkpoint; returns a preempting signal or None."""
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
@@ -619,10 +614,9 @@ def main_worker(args, local_index=None):
 
 
 class RunState:
-    """What a run carries from step to step and resumes: the model, optimizer, scheduler and loss scaler, where
-    it is (epoch, step within it), the best validation accuracy, the running sums of a preempted epoch, and the
-    random states. The one place that writes the checkpoint format and reads it back (README: Checkpoints): a
-    folder of shards (save_sharded), and the full weights in model_best.pth.tar and --export."""
+    """What a run carries from step to step and resumes: model, optimizer, scheduler, loss scaler, epoch and step,
+    best accuracy, a preempted epoch's running sums, random states. It alone writes and reads the checkpoint format:
+    a folder of shards (save_sharded), and the full weights in model_best.pth.tar and --export."""
 
     def __init__(self, model, optimizer, scheduler, scaler, amp_dtype):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
@@ -770,16 +764,14 @@ class RankError(UserError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
-    prints its usage from every rank, and exits), exit code 2."""
+    """argparse whose errors are UserErrors: one `error:` line from the reporting rank, exit code 2."""
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
 
 
 def in_range(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite `kind` (int or float) within the bounds given, e.g. in_range(int, 1) for a count.
-    Every numeric flag takes one (tests/test_bad_input.py)."""
+    """An argparse type: a finite `kind` (int or float) within the bounds given; every numeric flag takes one."""
     name = "an integer" if kind is int else "a number"
     limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
     wanted = f"{name} {' and '.join(limits)}".strip()
@@ -810,8 +802,7 @@ def exit_bad_input(error, reporter):
 
 
 def join_process_group(args, store, rank, world_size, device):
-    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
-    flag, so that agreeing on it never waits on the GPU."""
+    """The process group, on a rendezvous store; returns a CPU group for the preemption flag (no GPU wait)."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     check_shared_gpus(store, world_size, device, backend)  # [safety]
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # a new group would wait torch's default 30 minutes
@@ -880,8 +871,7 @@ def load_image(path):
 
 
 def build_loaders(args, train_set, val_set, rank, world_size, device):
-    """(train sampler, train batches, validation batches): loaders whose workers decode and crop, behind
-    Prefetchers that put the batches on the device. Each rank takes its share of both sets."""
+    """(train sampler, train batches, validation batches): each rank's share, on the device (Prefetcher)."""
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
                        pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     loader_args.update(collate_fn=collate)  # [fast-crop]
@@ -1058,8 +1048,7 @@ def set_rng_state(state):
 
 
 def atomic_write(path, write):
-    """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
-    moment leaves either the old file or the new one, never a torn one."""
+    """write(file) to a temporary file, fsync, rename over `path`: a crash leaves the old file or the new one."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -1404,8 +1393,7 @@ def set_tf32(args, device, log):
 # endregion [tf32]
 # region [dummy]: --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
 class SyntheticImages(Dataset):
-    """A learnable stand-in for ImageNet: class k has its own colour and stripe pattern, every image
-    its own noise; image i is the same on every call, rank and run."""
+    """A learnable stand-in for ImageNet: colour and stripes by class, noise by image, the same on every call."""
 
     def __init__(self, size, num_classes, image_size, transform, offset=0):
         self.size, self.num_classes, self.image_size = size, num_classes, image_size
@@ -1553,8 +1541,7 @@ MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def check_args(args):
-    """What no single flag's range says: the flags together, and the model's name. With the ranges in
-    parse_args, every value is checked here, right after parsing, before any process waits for another."""
+    """The flags together and the model's name, right after parsing (each flag's range: parse_args)."""
     if ":" not in args.arch and args.arch not in MODEL_NAMES:
         raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
                         f"(torchvision.models.list_models() has {len(MODEL_NAMES)}), or your own as MODULE:FUNCTION")
@@ -1587,8 +1574,7 @@ def check_args(args):
 
 
 def check_run(args, world_size, device, sets):
-    """Everything else that can fail on bad input, checked before any process waits for another: the batch for
-    the world size, the launcher's own flags, the datasets (check_datasets) and the model on them (check_model)."""
+    """The rest of bad input, before any process waits for another: batch, launcher flags, data, model."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -1765,8 +1751,7 @@ def check_shared_gpus(store, world_size, device, backend):
 
 
 def explain_failed_save(save_checkpoint):
-    """save_checkpoint, whose failure to write (the disk full, the folder gone; the previous files stay whole) stops
-    the run with one line that says how much room a checkpoint needs."""
+    """save_checkpoint; a failed write (disk full, folder gone) stops the run in one line: the room needed."""
     def save(state, is_best, output_dir):
         try:
             save_checkpoint(state, is_best, output_dir)
@@ -1783,8 +1768,7 @@ def explain_failed_save(save_checkpoint):
 
 
 def check_same_checkpoint(views):
-    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
-    points wait for each other at different steps until the job times out."""
+    """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
     if len(set(views)) > 1:
         seen = {}
         for rank, view in enumerate(views):

@@ -159,13 +159,11 @@ def find_processes(args, local_index):
 
 
 def check_launch_args(args, world_size, device):
-    """The flags this launcher adds or reads its own way, checked before any process waits for another: none
-    can be wrong here."""
+    """The flags this launcher reads its own way, checked before any process waits for another: none here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
-    """Starts the process group (none for one process). Returns the group the processes agree on preemption
-    in, None without one."""
+    """Starts the process group (none for one process); returns the CPU group for preemption, or None."""
     if "WORLD_SIZE" not in os.environ:
         return None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
@@ -244,8 +242,7 @@ def train_step(run, images, labels):
 
 
 def reduce_tensor(tensor):
-    """Sum over all processes (a copy). Sums, not means: a ratio of sums stays exact however the
-    samples were split between ranks."""
+    """Sum over all processes (a copy): sums, not means, keep ratios exact however ranks split the samples."""
     tensor = tensor.clone()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor)
@@ -548,16 +545,14 @@ class RankError(UserError):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are UserErrors: one `error:` line from the rank that reports (argparse itself
-    prints its usage from every rank, and exits), exit code 2."""
+    """argparse whose errors are UserErrors: one `error:` line from the reporting rank, exit code 2."""
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
 
 
 def in_range(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite `kind` (int or float) within the bounds given, e.g. in_range(int, 1) for a count.
-    Every numeric flag takes one (tests/test_bad_input.py)."""
+    """An argparse type: a finite `kind` (int or float) within the bounds given; every numeric flag takes one."""
     name = "an integer" if kind is int else "a number"
     limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
     wanted = f"{name} {' and '.join(limits)}".strip()
@@ -588,8 +583,7 @@ def exit_bad_input(error, reporter):
 
 
 def join_process_group(args, store, rank, world_size, device):
-    """The process group, on a rendezvous store every rank reaches; returns a CPU group for the preemption
-    flag, so that agreeing on it never waits on the GPU."""
+    """The process group, on a rendezvous store; returns a CPU group for the preemption flag (no GPU wait)."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     check_shared_gpus(store, world_size, device, backend)  # [safety]
     timeout = datetime.timedelta(seconds=args.dist_timeout)  # a new group would wait torch's default 30 minutes
@@ -805,8 +799,7 @@ def set_rng_state(state):
 
 
 def atomic_write(path, write):
-    """write(file) into a temporary file beside `path`, fsync, then rename over `path`: a crash at any
-    moment leaves either the old file or the new one, never a torn one."""
+    """write(file) to a temporary file, fsync, rename over `path`: a crash leaves the old file or the new one."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -1163,8 +1156,7 @@ def check_shared_gpus(store, world_size, device, backend):
 
 
 def explain_failed_save(save_checkpoint):
-    """save_checkpoint, whose failure to write (the disk full, the folder gone; the previous files stay whole) stops
-    the run with one line that says how much room a checkpoint needs."""
+    """save_checkpoint; a failed write (disk full, folder gone) stops the run in one line: the room needed."""
     def save(state, is_best, output_dir):
         try:
             save_checkpoint(state, is_best, output_dir)
@@ -1181,8 +1173,7 @@ def explain_failed_save(save_checkpoint):
 
 
 def check_same_checkpoint(views):
-    """`views`: where each rank resumes, (epoch, step) or None, in rank order. Ranks that start from different
-    points wait for each other at different steps until the job times out."""
+    """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
     if len(set(views)) > 1:
         seen = {}
         for rank, view in enumerate(views):
