@@ -357,7 +357,7 @@ def device_mesh(args, device):
 
 
 def build_optimizer(model, args, device, log):
-    return new_optimizer(model, args, scaled_loss=args.amp == "fp16")
+    return new_optimizer(model, args)
 
 
 def setup_precision(model, optimizer, args, device, log):
@@ -608,7 +608,7 @@ def main_worker(args, local_index=None):
             + (f" | ema acc1 {val['acc1_ema']:.2f}" if "acc1_ema" in val else "")  # [ema]
             + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
             + f" | {row['img_per_s']:.0f} img/s")
-        if run.preemption.agreed_now() and run.epoch < args.epochs:  # [preemption]
+        if run.preemption.agreed(now=True) and run.epoch < args.epochs:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"after epoch {epoch}", saved=True)  # [preemption]
     return None
 
@@ -822,15 +822,19 @@ def param_groups(model, args):
     return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def new_optimizer(model, args, scaled_loss):
-    """--opt: SGD with momentum, or AdamW, fused, the CPU included (one kernel, which takes GradScaler's inf check on
-    the device). SGD goes foreach with a scaled loss (fused SGD would update the momentum on a skipped step) and for
-    FSDP's DTensors."""
+def new_optimizer(model, args):
+    """--opt: SGD with momentum, or AdamW; fused, the CPU included (one kernel, which takes GradScaler's inf check on
+    the device), but SGD foreach for FSDP's DTensors (no sharding rule). SGD's momentum starts as zeros: a first step
+    GradScaler skips then leaves it so (fused SGD's own, made at the first step, would stay unfilled)."""
     groups = param_groups(model, args)
     if args.opt == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=True)
-    foreach = scaled_loss or any(hasattr(p, "full_tensor") for group in groups for p in group["params"])
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not foreach, foreach=foreach or None)
+    params = [p for group in groups for p in group["params"]]
+    foreach = any(hasattr(p, "full_tensor") for p in params)
+    optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not foreach, foreach=foreach or None)
+    for p in params if args.momentum else ():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 def lr_factor(step, steps_per_epoch, args):
@@ -1324,26 +1328,21 @@ class Preemption:
     def _handler(self, signum, frame):
         self.requested, self.signum = True, signum
 
-    def agreed(self):
-        """Called by every rank at every step: True on all ranks at the same step."""
-        if self.group is None:
-            return self.requested
-        stop = False
-        if self.wait is not None:
-            self.wait()
-            stop = self.flag.item() > 0
-        self.flag.fill_(float(self.requested))
-        self.wait = None if stop else sum_async(self.flag, self.group)
-        return stop
-
-    def agreed_now(self):
-        """Blocking agreement, at the end of an epoch."""
+    def agreed(self, now=False):
+        """Called by every rank at every step: True on all ranks at the same step, the one after the signal; now: at
+        once, blocking (at the end of an epoch)."""
         if self.group is None:
             return self.requested
         if self.wait is not None:
             self.wait()
+            if self.flag.item() > 0 and not now:
+                self.wait = None
+                return True
         self.flag.fill_(float(self.requested))
-        sum_async(self.flag, self.group)()
+        self.wait = sum_async(self.flag, self.group)
+        if not now:
+            return False
+        self.wait()
         self.wait = None
         return self.flag.item() > 0
 

@@ -360,7 +360,7 @@ def main_worker(args, local_index=None):
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
             f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
             f"{row['img_per_s']:.1f} img/s")
-        if run.preemption.agreed_now() and run.epoch < args.epochs:  # [preemption]
+        if run.preemption.agreed(now=True) and run.epoch < args.epochs:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"after epoch {epoch}", saved=True)  # [preemption]
     return None
 
@@ -1050,26 +1050,21 @@ class Preemption:
     def _handler(self, signum, frame):
         self.requested, self.signum = True, signum
 
-    def agreed(self):
-        """Called by every rank at every step: True on all ranks at the same step."""
-        if self.group is None:
-            return self.requested
-        stop = False
-        if self.wait is not None:
-            self.wait()
-            stop = self.flag.item() > 0
-        self.flag.fill_(float(self.requested))
-        self.wait = None if stop else sum_async(self.flag, self.group)
-        return stop
-
-    def agreed_now(self):
-        """Blocking agreement, at the end of an epoch."""
+    def agreed(self, now=False):
+        """Called by every rank at every step: True on all ranks at the same step, the one after the signal; now: at
+        once, blocking (at the end of an epoch)."""
         if self.group is None:
             return self.requested
         if self.wait is not None:
             self.wait()
+            if self.flag.item() > 0 and not now:
+                self.wait = None
+                return True
         self.flag.fill_(float(self.requested))
-        sum_async(self.flag, self.group)()
+        self.wait = sum_async(self.flag, self.group)
+        if not now:
+            return False
+        self.wait()
         self.wait = None
         return self.flag.item() > 0
 

@@ -173,6 +173,42 @@ def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(ima
     ok(job)
 
 
+BALLAST = '''
+import torch
+
+
+class Ballast(torch.nn.Module):
+    """A linear model with 256 MiB of state besides: a large model's weights, for memory's sake."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+        self.register_buffer("ballast", torch.randn(2**26))
+
+    def forward(self, x):
+        return self.head(x.mean((2, 3)))
+'''
+
+
+def test_loader_workers_keep_neither_the_model_nor_the_resumed_checkpoint(image_data, tmp_path):
+    """The loader workers fork before the model is built and the checkpoint read: a fork after would keep their
+    pages alive in every worker for the whole run, once the training process has dropped them (a 256 MiB model:
+    about +512 MiB over 2 ranks' workers after --resume, and its share of the model on a fresh start)."""
+    (tmp_path / "ballast.py").write_text(BALLAST)
+
+    def workers_pss(epoch, *args):
+        job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "-a", "ballast:Ballast", "--output-dir",
+                       tmp_path / "out", *args, env={"PYTHONPATH": tmp_path})
+        job.wait_for_line(f"Epoch {epoch} [ 1/12]")
+        pss = sum(w.memory_full_info().pss for rank in (0, 1) for w in job.process_of_rank(rank).children())
+        ok(job)
+        return pss / 2**20
+
+    fresh = workers_pss(0, "--epochs", "1")
+    resumed = workers_pss(1, "--epochs", "2", "--resume", "auto")
+    assert resumed - fresh < 64, (fresh, resumed)
+
+
 def test_benchmark_mode_trains_on_synthetic_device_batches_and_prints_img_per_s(tmp_path):
     job = ok(torchrun(SCRIPT, 2, "--benchmark", "4", "--crop-size", "32", "-b", "16", "--output-dir", tmp_path))
     assert re.search(r"^benchmark: \d+ img/s over 4 steps, 2 processes, global batch 16, resnet18 at 32 px",
