@@ -127,6 +127,7 @@ def parse_args(argv=None):
     add("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the all-reduce")
     add("--dist-timeout", type=in_range(float, above=0), default=1800,
         help="seconds a collective may wait for a peer (HOROVOD_GLOO_TIMEOUT_SECONDS, Horovod's default: 30)")
+    add_foreign_flags(p)  # [safety]
     args = p.parse_args(argv)
     args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
     args.lr = {"sgd": 0.1, "adamw": 0.001}[args.opt] if args.lr is None else args.lr
@@ -1395,6 +1396,32 @@ def check_args(args):
         raise UserError("--profile-all-ranks goes with --profile: add it, or drop --profile-all-ranks")  # [profile]
     if args.profile and args.evaluate:  # [profile]
         raise UserError("--profile records training steps, and -e trains none: drop one of them")  # [profile]
+
+
+FOREIGN_FLAGS = {  # other scripts' flags that users bring along: what this one does instead
+    ("--local-rank", "--local_rank"): "torch.distributed.launch passes it to scripts that torchrun starts, such as "
+                                      "distributed.py; start this one as its docstring says",
+    ("--multiprocessing-distributed",): "every script here runs a process per GPU: multiprocessing_distributed.py "
+                                        "starts them itself, distributed.py under torchrun",
+    ("--world-size", "--rank"): "the launcher gives each process its rank (torchrun: --nnodes and --node-rank; this "
+                                "script's docstring says how it starts)",
+    ("--dist-url",): "the launcher's rendezvous is used (torchrun: --rdzv-endpoint; this script's docstring says how "
+                     "it starts)",
+    ("--gpu",): "each visible GPU gets a process; for one GPU, start a single process with CUDA_VISIBLE_DEVICES=N",
+    ("--start-epoch",): "a run starts at the epoch of its checkpoint: give --resume PATH, or --resume auto",
+}
+
+
+def add_foreign_flags(parser):
+    """FOREIGN_FLAGS as hidden flags, each stopping with one line that names what to do here; pytorch/examples'
+    imagenet and torch.distributed.launch pass them. What this script takes itself stays its own."""
+    for flags, instead in FOREIGN_FLAGS.items():
+        class Refuse(argparse.Action):
+            def __call__(self, parser, namespace, values, option_string=None, instead=instead):
+                raise UserError(f"{option_string} is not a flag of this script: {instead}")
+
+        with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
+            parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
 
 
 def check_run(args, world_size, device, sets):

@@ -111,6 +111,8 @@ def parse_args(argv=None):
     add("-p", "--print-freq", type=in_range(int, 1), default=10, help="steps between progress lines")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
     add("--dist-timeout", type=in_range(float, above=0), default=1800, help="seconds a collective may wait for a peer")
+    add("--local-rank", "--local_rank", type=in_range(int, 0), help=argparse.SUPPRESS)  # torch.distributed.launch's
+    add_foreign_flags(p)  # [safety]
     args = p.parse_args(argv)
     check_args(args)  # [safety]
     return args
@@ -1131,6 +1133,32 @@ def check_args(args):
     checked here, right after parsing, before any process waits for another."""
     if args.epochs == 0 and not args.evaluate:
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+
+
+FOREIGN_FLAGS = {  # other scripts' flags that users bring along: what this one does instead
+    ("--local-rank", "--local_rank"): "torch.distributed.launch passes it to scripts that torchrun starts, such as "
+                                      "distributed.py; start this one as its docstring says",
+    ("--multiprocessing-distributed",): "every script here runs a process per GPU: multiprocessing_distributed.py "
+                                        "starts them itself, distributed.py under torchrun",
+    ("--world-size", "--rank"): "the launcher gives each process its rank (torchrun: --nnodes and --node-rank; this "
+                                "script's docstring says how it starts)",
+    ("--dist-url",): "the launcher's rendezvous is used (torchrun: --rdzv-endpoint; this script's docstring says how "
+                     "it starts)",
+    ("--gpu",): "each visible GPU gets a process; for one GPU, start a single process with CUDA_VISIBLE_DEVICES=N",
+    ("--start-epoch",): "a run starts at the epoch of its checkpoint: give --resume PATH, or --resume auto",
+}
+
+
+def add_foreign_flags(parser):
+    """FOREIGN_FLAGS as hidden flags, each stopping with one line that names what to do here; pytorch/examples'
+    imagenet and torch.distributed.launch pass them. What this script takes itself stays its own."""
+    for flags, instead in FOREIGN_FLAGS.items():
+        class Refuse(argparse.Action):
+            def __call__(self, parser, namespace, values, option_string=None, instead=instead):
+                raise UserError(f"{option_string} is not a flag of this script: {instead}")
+
+        with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
+            parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
 
 
 def check_shared_gpus(store, world_size, device, backend):

@@ -57,7 +57,7 @@ def test_every_option_that_takes_a_value_has_a_range_or_choices(script):
     options = value_options(script)
     assert len(options) > 15
     unchecked = [o.option_strings[-1] for o in options
-                 if not (o.choices or hasattr(o.type, "bounds") or o.dest in FREE_TEXT)]
+                 if not (o.choices or hasattr(o.type, "bounds") or o.dest in FREE_TEXT or type(o).__name__ == "Refuse")]
     assert not unchecked, f"give these a range (in_range(...)) or choices: {unchecked}"
 
 
@@ -98,3 +98,28 @@ def test_one_line_and_exit_code_2_from_the_command_line(tmp_path):
                           text=True, cwd=tmp_path)
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr == "error: argument --lr: -1 is out of range: give a number >= 0 (see --help)\n"
+
+
+# the flags of pytorch/examples' imagenet and torch.distributed.launch that a script takes as its own
+TAKEN = {"distributed.py": {"--local-rank", "--local_rank"}, "apex_distributed.py": {"--local-rank", "--local_rank"},
+         "unet3d_apex.py": {"--local-rank", "--local_rank"},
+         "multiprocessing_distributed.py": {"--world-size", "--rank", "--dist-url", "--gpu",
+                                            "--multiprocessing-distributed"}}
+
+
+def test_flags_of_other_scripts_are_taken_or_name_what_to_do_here(script):
+    """Commands users already know: torch.distributed.launch passes --local-rank=N (LOCAL_RANK says the same);
+    pytorch/examples' users type --multiprocessing-distributed --world-size 1 --rank 0, --gpu 0, --start-epoch N.
+    A script takes those that map onto its own flags; any other is one line saying what to do instead."""
+    taken = TAKEN.get(script.__file__.rsplit("/", 1)[-1], set())
+    flags = [flag for names in script.FOREIGN_FLAGS for flag in names]
+    assert {"--local-rank", "--start-epoch", "--multiprocessing-distributed", "--gpu"} <= set(flags)
+    for flag in flags:
+        given = [flag] if flag == "--multiprocessing-distributed" else [f"{flag}=1"]
+        if flag in taken:
+            script.parse_args([*base_args(script), *given])
+        else:
+            with pytest.raises(script.UserError, match=rf"^{flag} is not a flag of this script: \S"):
+                script.parse_args([*base_args(script), *given])
+    assert script.parse_args(base_args(script))  # the hidden flags change nothing else
+

@@ -2,14 +2,15 @@
 evaluation, equivalence across process counts, resume, preemption and faults."""
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
 
-from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run,
-                      assert_same_tensors, freeze, load, metrics, ok, python, torchrun)
+from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, RESUME, ROOT, Job, assert_learned, assert_preempted,
+                      assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok, python, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -214,3 +215,11 @@ def test_benchmark_mode_trains_on_synthetic_device_batches_and_prints_img_per_s(
     assert re.search(r"^benchmark: \d+ img/s over 4 steps, 2 processes, global batch 16, resnet18 at 32 px",
                      job.output, re.M)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
+
+
+def test_the_deprecated_launcher_starts_it(image_data, tmp_path):
+    """python -m torch.distributed.launch, which the repository this one follows tells its users to start (torch
+    2.14 still ships it): it passes --local-rank=N, and sets LOCAL_RANK too."""
+    launch = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    job = ok(Job([*launch, ROOT / SCRIPT, image_data, *FAST, "--epochs", "1", "--output-dir", tmp_path]))
+    assert "world size 2" in job.output and "Epoch 0: train loss" in job.output, job.output
