@@ -577,7 +577,8 @@ class RunState:
         rng_states = gather_rng_states()
         if rank == 0:
             save_checkpoint({
-                "epoch": self.epoch, "step": self.step, "arch": args.arch, "state_dict": self.model.state_dict(),
+                "epoch": self.epoch, "step": self.step, "arch": args.arch,
+                "state_dict": getattr(self.model, "_orig_mod", self.model).state_dict(),  # torch.compile'd: its own
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "args": vars(args),
                 "world_size": len(rng_states), "rng_states": rng_states, "train_sums": self.train_sums,
@@ -586,7 +587,7 @@ class RunState:
 
     def load_state_dict(self, ckpt, args, rank, world_size, log):
         """Everything back from a checkpoint (load_checkpoint's); only the weights for --evaluate."""
-        self.model.load_state_dict(ckpt["state_dict"])
+        getattr(self.model, "_orig_mod", self.model).load_state_dict(ckpt["state_dict"])
         if self.ema:  # [ema]
             self.ema.load(ckpt.get("model_ema"), self.model, log)  # [ema]
         if args.evaluate:
@@ -894,7 +895,7 @@ class Prefetcher:
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
             image = images.dtype == torch.uint8
             images = images.to(self.device, non_blocking=True)
-            target = target.to(self.device, non_blocking=True)
+            target = target.to(self.device, non_blocking=True).long()  # any integer labels: cross_entropy's int64
             if image:
                 images = images.contiguous(memory_format=self.memory_format).float().sub_(self.mean).div_(self.std)
         return images, target
@@ -1559,10 +1560,14 @@ def check_datasets(sets, args):
     if inputs.dtype == torch.uint8 and (inputs.ndim != 3 or inputs.shape[0] != 3):
         raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are RGB images "
                         f"(3xHxW): give other data as float tensors")
-    label = label.item() if isinstance(label, torch.Tensor) and label.numel() == 1 else label
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_classes:
+    try:  # the label as training takes it: in a batch (default_collate), which the Prefetcher makes int64
+        target = torch.utils.data.default_collate([label])
+        torch.iinfo(target.dtype)  # an integer dtype: not bool
+    except (TypeError, AttributeError):  # None, a float, a bool, a string (a list of it then)
+        target = None
+    if target is None or target.shape != (1,) or not 0 <= int(target) < num_classes:
         raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
-                        f"({num_classes - 1})")
+                        f"({num_classes - 1}): Python or numpy integers, or integer tensors of shape ()")
     return (*sets, num_classes, inputs)
 
 
@@ -1573,28 +1578,37 @@ def check_model(args, num_classes=1000, example=None):
     the input fits and the logits are num_classes wide; only when a torchvision model (by name) fails on images,
     more passes find the --crop-size to name: the only one a model built for one image size takes (vit_*,
     maxvit_t), or the smallest one the others take (inception_v3 75, alexnet 63, vgg and convnext 32, ...).
-    Your own model (MODULE:FUNCTION, or your build_model) gets the first pass only."""
+    Your own model (MODULE:FUNCTION, or your build_model) gets the first pass only, and a verdict only from a
+    torch function that fails on its inputs' shapes and dtypes: not on what meta tensors lack (values to read:
+    .item(), .numpy(); a device shared with CPU tensors), nor in its own code (a check for CUDA, say)."""
     image = example is None or example.dtype == torch.uint8  # the Prefetcher makes uint8 images float
     shape = (3, args.crop_size, args.crop_size) if example is None else tuple(example.shape)
     dtype = torch.float32 if image else example.dtype
     try:
         with torch.device("meta"):
             model = build_model(args, num_classes, load_weights=False).train()
-    except NotImplementedError:  # regnet_* compute their layout with tensors, which hold no values there;
-        return  # they take any size
-    except UserError:
-        if ":" not in args.arch:
-            raise
-        return  # your function may need a real device to build: build_model says on the CPU if it fails there
+    except Exception:  # no verdict: regnet_* compute their layout with tensors, which hold no values there; your
+        return  # model may need a real device to build (build_model, run on it later, says what fails)
+    model = getattr(model, "_orig_mod", model)  # torch.compile'd: the same shapes, with nothing to compile
+    known = args.arch in MODEL_NAMES and type(model).__module__.startswith("torchvision.")
+
+    class Calls(torch.overrides.TorchFunctionMode):  # the last torch function's error, unless it names the meta device
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            try:
+                return func(*args, **(kwargs or {}))
+            except Exception as e:
+                self.refused = None if "meta" in str(e).lower() else e
+                raise
 
     def failure(size=None):
-        """Why a training forward pass of 2 inputs (images of size x size) fails; None if it works."""
+        """Why a training forward pass of 2 inputs (images of size x size) fails; None if it works, or may work."""
         try:
-            output = model(torch.empty(2, *(shape if size is None else (3, size, size)), dtype=dtype, device="meta"))
+            with Calls() as calls, torch.device("meta"):
+                output = model(torch.empty(2, *(shape if size is None else (3, size, size)), dtype=dtype))
         except NotImplementedError:  # an operation the meta device lacks: no verdict
             return None
-        except (RuntimeError, AssertionError, ValueError, TypeError, IndexError) as e:  # shape checks
-            return str(e).strip().splitlines()[-1][:200]
+        except Exception as e:
+            return str(e).strip().splitlines()[-1][:200] if known or e is getattr(calls, "refused", None) else None
         if not isinstance(output, torch.Tensor):
             return f"it returns {type(output).__name__}, not logits"
         wide = "x".join(map(str, output.shape))
@@ -1603,7 +1617,7 @@ def check_model(args, num_classes=1000, example=None):
     reason = failure()
     if reason is None:
         return
-    if not (image and args.arch in MODEL_NAMES):
+    if not (image and known):
         raise UserError(f"--arch {args.arch} does not take the data's inputs ({'x'.join(map(str, shape))} "
                         f"{str(dtype).replace('torch.', '')}): {reason}")
     weights = torchvision.models.get_model_weights(args.arch).DEFAULT
@@ -1644,7 +1658,7 @@ def check_fit(path, ckpt, model, args):
     if trained != args.opt and not args.evaluate:
         raise UserError(f"{path} was trained with --opt {trained}, this run has --opt {args.opt}: continue it with "
                         f"--opt {trained}, or train without --resume")
-    own, saved = model.state_dict(), ckpt["state_dict"]
+    own, saved = getattr(model, "_orig_mod", model).state_dict(), ckpt["state_dict"]  # as RunState saves them
     missing, unknown = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
     if missing or unknown:
         parts = [f"{len(missing)} weights missing (e.g. {missing[0]})" if missing else "",

@@ -13,6 +13,7 @@ from test_bad_input import assert_one_clear_line
 
 # the user's module: nothing from torchvision, no Sequential or ModuleList (FSDP shards it by its layers)
 USER_MODULE = '''
+import os
 import time
 
 import numpy as np
@@ -91,6 +92,62 @@ class CNN(nn.Module):
 
 def cnn(num_classes):
     return CNN(num_classes)
+
+
+class Reads(MLP):
+    """An MLP that reads its input's values as READS says (what meta tensors, which hold none, cannot give), or
+    shifts it by a buffer made with numpy (a CPU tensor even when built under torch.device("meta"))."""
+
+    def __init__(self, num_classes):
+        super().__init__(num_classes)
+        self.reads = os.environ["READS"]
+        self.register_buffer("shift", torch.from_numpy(np.zeros(20, dtype=np.float32)))
+
+    def forward(self, x):
+        if self.reads == "item":
+            x = x / x.abs().max().item()
+        elif self.reads == "bool" and bool(x.isfinite().all()):
+            x = x * 0.5
+        elif self.reads == "float":
+            x = x / float(x.std())
+        elif self.reads == "numpy":
+            x = x / x.detach().numpy().std()
+        else:
+            x = x - self.shift
+        return super().forward(x)
+
+
+def reads(num_classes):
+    return Reads(num_classes)
+
+
+def compiled_mlp(num_classes):
+    return torch.compile(MLP(num_classes))
+
+
+LABELS = {"numpy int64": np.int64, "numpy int32": np.int32, "1-element tensor": lambda y: torch.tensor([y]),
+          "int32 tensor": lambda y: torch.tensor(y, dtype=torch.int32),
+          "uint8 tensor": lambda y: torch.tensor(y, dtype=torch.uint8)}
+
+
+class Labelled(Table):
+    """Table's rows with labels of the kind LABELS names."""
+
+    def __init__(self, size, seed, kind=None):
+        super().__init__(size, seed)
+        self.kind = LABELS[kind or os.environ["LABELS"]]
+
+    def __getitem__(self, index):
+        row, label = super().__getitem__(index)
+        return row, self.kind(label)
+
+
+def labelled(args):
+    return Labelled(192, 0), Labelled(40, 1)
+
+
+def row_labels(args):
+    return Labelled(192, 0, "1-element tensor"), Labelled(40, 1, "1-element tensor")
 
 
 # what goes wrong
@@ -222,6 +279,40 @@ def test_npz_images_through_the_crop_with_ema_accumulation_and_benchmark(project
     assert re.search(r"benchmark: \d+ img/s over 2 steps", job.output), job.output
 
 
+@pytest.mark.parametrize("reads", ["item", "bool", "float", "numpy", "numpy buffer"])
+def test_a_model_that_reads_its_inputs_values_trains(reads, project, tmp_path):
+    """The check runs the model on meta tensors, which hold no values and stay apart from CPU tensors: a failure
+    for want of them is no verdict on the model, which trains."""
+    ok(python(project / "distributed.py", *TABLE, "-a", "mine:reads", "-j", "0", "--epochs", "1", "--output-dir",
+              tmp_path, cwd=project, env={"READS": reads}))
+    assert metrics(tmp_path)[0]["val_acc1"] >= 70
+
+
+@pytest.mark.parametrize("labels", ["numpy int64", "numpy int32", "int32 tensor", "uint8 tensor"])
+def test_integer_labels_of_any_kind_train(labels, project, tmp_path):
+    """What indexing an .npz gives, and what default_collate batches: numpy integers, integer tensors of any dtype
+    (cross_entropy takes int64 only: the Prefetcher converts them on the device)."""
+    ok(python(project / "distributed.py", *TABLE, "--dataset", "mine:labelled", "-j", "0", "--epochs", "1",
+              "--output-dir", tmp_path, cwd=project, env={"LABELS": labels}))
+    assert metrics(tmp_path)[0]["val_acc1"] >= 70
+
+
+def test_a_compiled_model_resumes_and_evaluates(project, tmp_path):
+    """A torch.compile'd model names its weights _orig_mod.*; its checkpoint holds the plain model's names, which
+    --resume and -e load back into it (and the uncompiled model takes too)."""
+    args = [*TABLE, "-a", "mine:compiled_mlp", "-j", "0", "--output-dir", tmp_path]
+    ok(python(project / "distributed.py", *args, "--epochs", "1", cwd=project), timeout=480)
+    resumed = ok(python(project / "distributed.py", *args, "--epochs", "2", "--resume", "auto", cwd=project),
+                 timeout=480)
+    assert "(epoch 1, step 0)" in resumed.output and [r["epoch"] for r in metrics(tmp_path)] == [0, 1]
+    ckpt = load(tmp_path / "checkpoint.pth.tar")
+    assert set(ckpt["state_dict"]) == {"hidden.weight", "hidden.bias", "out.weight", "out.bias"}
+    job = ok(python(project / "distributed.py", *args, "-e", "--resume", tmp_path / "checkpoint.pth.tar",
+                    cwd=project), timeout=480)
+    acc1 = float(re.search(r"^val: loss \S+ acc1 (\S+)", job.output, re.M)[1])
+    assert acc1 == pytest.approx(metrics(tmp_path)[-1]["val_acc1"], abs=1e-3)
+
+
 def edit(source, name, body):
     """The script with function `name` replaced: what a user who edits the copy does."""
     start = source.index(f"\ndef {name}(")
@@ -257,6 +348,8 @@ BAD = {
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
                                         r"an input is a uint8 tensor of shape 8x8; uint8 inputs are RGB images"),
+    "labels that batch to Nx1": (["--dataset", "mine:row_labels", "-a", "mine:mlp"],
+                                 r"a label is tensor\(\[0\]\); labels are integers from 0 to num_classes - 1"),
     "no number of classes": (["--dataset", "mine:no_classes", "-a", "mine:mlp"],
                              r"its train set has no number of classes: give it an attribute num_classes"),
     "an image model on a table": (["--dataset", "mine:table"], r"--arch resnet18 does not take the data's inputs"),
