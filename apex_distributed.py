@@ -61,8 +61,7 @@ from PIL import Image
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import swa_utils  # [ema]
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torch.utils.data import default_collate  # [fast-crop]
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 from torch.utils.tensorboard import SummaryWriter  # [logs]
 from torchvision.transforms import v2
 from tqdm import tqdm
@@ -789,11 +788,23 @@ def load_image(path):
         raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
+def collate(samples):
+    """apex's fast_collate as the loaders' collate_fn: the workers' uint8 images copied straight into one
+    uint8 batch, channels last (the order the crops lie in); the loader pins it, and the Prefetcher puts it
+    into the model's memory format and normalizes it once, on the device. Other inputs: default_collate."""
+    check_items(samples)  # [safety]
+    if samples[0][0].dtype != torch.uint8:
+        return default_collate(samples)
+    images = torch.empty((len(samples), *samples[0][0].shape), dtype=torch.uint8, memory_format=torch.channels_last)
+    for i, (image, _) in enumerate(samples):
+        images[i].copy_(image)
+    return images, torch.tensor([target for _, target in samples], dtype=torch.int64)
+
+
 def build_loaders(args, train_set, val_set, rank, world_size, device):
     """(train sampler, train batches, validation batches): each rank's share, on the device (Prefetcher)."""
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
-                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
-    loader_args.update(collate_fn=collate)  # [fast-crop]
+                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate)
     loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
     atexit.register(end_loader_workers)
     train_data = SeededSamples(train_set)
@@ -1319,7 +1330,7 @@ class SyntheticImages(Dataset):
         img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
         return self.transform(img.clamp(0, 255).to(torch.uint8)), target
 # endregion [dummy]
-# region [fast-crop]: the training crop in one step, and batches copied in memory order: a faster input pipeline
+# region [fast-crop]: the training crop in one step, faster than torchvision's v2 transforms
 class RandomResizedCropFlip:
     """v2.RandomResizedCrop(size) and v2.RandomHorizontalFlip() in one step, drawn alike from torch's RNG in one
     call. A uint8 tensor is cut channels-last (decode_jpeg's order) and resized by v2's kernel; a PIL image goes
@@ -1356,19 +1367,6 @@ class RandomResizedCropFlip:
         else:
             image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
         return v2.functional.horizontal_flip(image) if flip else image
-
-
-def collate(samples):
-    """apex's fast_collate as the loaders' collate_fn: the workers' uint8 images copied straight into one
-    uint8 batch, channels last (the order the crops lie in); the loader pins it, and the Prefetcher puts it
-    into the model's memory format and normalizes it once, on the device. Other inputs: default_collate."""
-    check_items(samples)  # [safety]
-    if samples[0][0].dtype != torch.uint8:
-        return default_collate(samples)
-    images = torch.empty((len(samples), *samples[0][0].shape), dtype=torch.uint8, memory_format=torch.channels_last)
-    for i, (image, _) in enumerate(samples):
-        images[i].copy_(image)
-    return images, torch.tensor([target for _, target in samples], dtype=torch.int64)
 # endregion [fast-crop]
 # region [spec]: --arch and --dataset MODULE:FUNCTION: your own model and data without editing this file
 def load_spec(spec, flag):
@@ -1561,7 +1559,7 @@ def check_datasets(sets, args):
         raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are RGB images "
                         f"(3xHxW): give other data as float tensors")
     try:  # the label as training takes it: in a batch (default_collate), which the Prefetcher makes int64
-        target = torch.utils.data.default_collate([label])
+        target = default_collate([label])
         torch.iinfo(target.dtype)  # an integer dtype: not bool
     except (TypeError, AttributeError):  # None, a float, a bool, a string (a list of it then)
         target = None

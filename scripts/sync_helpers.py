@@ -27,13 +27,13 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 # the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
 SEAMS = ["build_model", "build_datasets"]
 NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group", "param_groups",
-         "new_optimizer", "lr_factor", "class_count", "IMAGENET_MEAN", "IMAGENET_STD", "load_image", "build_loaders",
-         "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler", "Prefetcher",
-         "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write", "tensor_bytes",
-         "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
+         "new_optimizer", "lr_factor", "class_count", "IMAGENET_MEAN", "IMAGENET_STD", "load_image", "collate",
+         "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
+         "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
+         "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
 FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark", "memory_use", "Preemption",
             "start_loader_worker", "die_with_parent", "print_or_drop", "set_tf32",
-            "SyntheticImages", "RandomResizedCropFlip", "collate", "load_spec", "call_spec", "ImageCrops",
+            "SyntheticImages", "RandomResizedCropFlip", "load_spec", "call_spec", "ImageCrops",
             "open_writer", "write_epoch"]
 SAFETY = ["check_args", "FOREIGN_FLAGS", "add_foreign_flags", "check_run", "check_datasets", "check_model", "check_fit",
           "check_shared_gpus",
