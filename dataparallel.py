@@ -71,20 +71,16 @@ def parse_args(argv=None):
     add("--dataset", default=None, metavar="MODULE:FUNCTION",  # [spec]
         help="your own data: FUNCTION(args) returns (train_set, val_set) (README: Your own data and model)")  # [spec]
     add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")  # [dummy]
-    add("--dummy-size", type=in_range(int, 1), default=1280, metavar="N",  # [dummy]
-        help="with --dummy: training images (validation: N/4)")  # [dummy]
+    add("--dummy-size", type=in_range(int, 1), default=1280, metavar="N", help="--dummy's training images")  # [dummy]
     add("-a", "--arch", default="resnet18", metavar="ARCH",
         help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
-    add("--dropout", type=in_range(float, 0, below=1), default=None,
-        help="dropout rate for models that take one (0 turns it off)")
+    add("--dropout", type=in_range(float, 0, below=1), default=None, help="for models that take one (0: off)")
     add("-j", "--workers", type=in_range(int, 0), default=4, help="data loading processes per training process")
     add("--epochs", type=in_range(int, 0), default=90)
-    add("-b", "--batch-size", type=in_range(int, 1), default=256,
-        help="global batch over all processes; divides by the world size")
+    add("-b", "--batch-size", type=in_range(int, 1), default=256, help="global batch, divided over the processes")
     add("--opt", choices=("sgd", "adamw"), default="sgd", help="SGD with momentum, or AdamW")
-    add("--lr", type=in_range(float, 0), default=None,
-        help="learning rate for the global batch (default: 0.1 for SGD, 0.001 for AdamW)")
+    add("--lr", type=in_range(float, 0), default=None, help="for the global batch (default: SGD 0.1, AdamW 0.001)")
     add("--momentum", type=in_range(float, 0, below=1), default=0.9, help="SGD's momentum")
     add("--wd", "--weight-decay", type=in_range(float, 0), default=1e-4, dest="weight_decay")
     add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
@@ -94,18 +90,15 @@ def parse_args(argv=None):
     add("--crop-size", type=in_range(int, 1), default=224)
     add("--val-resize", type=in_range(int, 1), default=None,
         help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
-    add("--amp", choices=("none", "fp16", "bf16"), default="none",
-        help="autocast dtype; fp16 scales the loss (on a CPU: for tests, slow)")
+    add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
-    add("--no-tf32", action="store_true",  # [tf32]
-        help="full fp32 matmuls and convolutions (default: TF32 where the GPU has it)")  # [tf32]
+    add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
         help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
     add("--label-smoothing", type=in_range(float, 0, below=1), default=0.0, help="in the training loss only")
-    add("--clip-grad-norm", type=in_range(float, above=0), default=None, metavar="X",
-        help="clip the global norm of the (unscaled, all-reduced) gradients to X")
+    add("--clip-grad-norm", type=in_range(float, above=0), default=None, metavar="X", help="the gradients' norm")
     add("--model-ema", action="store_true", help="an exponential moving average of the weights, evaluated too")  # [ema]
     add("--model-ema-decay", type=in_range(float, 0, below=1), metavar="D", help="default 0.9998")  # [ema]
     add("--model-ema-steps", type=in_range(int, 1), metavar="N", help="optimizer steps between updates (1)")  # [ema]
@@ -1381,17 +1374,12 @@ def check_args(args):
         raise UserError("--profile records training steps, and -e trains none: drop one of them")  # [profile]
 
 
-FOREIGN_FLAGS = {  # other scripts' flags that users bring along: what this one does instead
-    ("--local-rank", "--local_rank"): "torch.distributed.launch passes it to scripts that torchrun starts, such as "
-                                      "distributed.py; start this one as its docstring says",
-    ("--multiprocessing-distributed",): "every script here runs a process per GPU: multiprocessing_distributed.py "
-                                        "starts them itself, distributed.py under torchrun",
-    ("--world-size", "--rank"): "the launcher gives each process its rank (torchrun: --nnodes and --node-rank; this "
-                                "script's docstring says how it starts)",
-    ("--dist-url",): "the launcher's rendezvous is used (torchrun: --rdzv-endpoint; this script's docstring says how "
-                     "it starts)",
-    ("--gpu",): "each visible GPU gets a process; for one GPU, start a single process with CUDA_VISIBLE_DEVICES=N",
-    ("--start-epoch",): "a run starts at the epoch of its checkpoint: give --resume PATH, or --resume auto",
+FOREIGN_FLAGS = {  # other scripts' flags that users bring along, and what this one does instead
+    ("--local-rank", "--local_rank"): "torch.distributed.launch passes it to torchrun's scripts; see the docstring",
+    ("--multiprocessing-distributed",): "every script here runs a process per GPU: see the docstring for how",
+    ("--world-size", "--rank", "--dist-url"): "the launcher gives each process its rank and peers: see the docstring",
+    ("--gpu",): "each visible GPU gets a process; for one GPU, start one process with CUDA_VISIBLE_DEVICES=N",
+    ("--start-epoch",): "a run starts at its checkpoint's epoch: give --resume PATH, or --resume auto",
 }
 
 
@@ -1472,14 +1460,10 @@ def check_datasets(sets, args):
 
 def check_model(args, num_classes=1000, example=None):
     """Refuses, in one line and before any process waits for another, options the model does not take and inputs
-    it cannot train on: `example`, one input of the data (None: an image of --crop-size). One training forward
-    pass of the model built on the meta device (shapes without memory or arithmetic: 0.01-0.8 s) tells whether
-    the input fits and the logits are num_classes wide; only when a torchvision model (by name) fails on images,
-    more passes find the --crop-size to name: the only one a model built for one image size takes (vit_*,
-    maxvit_t), or the smallest one the others take (inception_v3 75, alexnet 63, vgg and convnext 32, ...).
-    Your own model (MODULE:FUNCTION, or your build_model) gets the first pass only, and a verdict only from a
-    torch function that fails on its inputs' shapes and dtypes: not on what meta tensors lack (values to read:
-    .item(), .numpy(); a device shared with CPU tensors), nor in its own code (a check for CUDA, say)."""
+    it cannot train on: `example`, one input of the data (None: an image of --crop-size). One training forward pass
+    on the meta device (shapes only: 0.01-0.8 s) checks the input and the logits' width; for a torchvision model
+    that fails on images, more passes find the --crop-size to name. Your own model gets a verdict only from a torch
+    function that fails on its inputs' shapes and dtypes, not from what meta tensors lack (.item()) or its own code."""
     image = example is None or example.dtype == torch.uint8  # the Prefetcher makes uint8 images float
     shape = (3, args.crop_size, args.crop_size) if example is None else tuple(example.shape)
     dtype = torch.float32 if image else example.dtype

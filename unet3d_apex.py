@@ -1135,17 +1135,12 @@ def check_args(args):
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
 
 
-FOREIGN_FLAGS = {  # other scripts' flags that users bring along: what this one does instead
-    ("--local-rank", "--local_rank"): "torch.distributed.launch passes it to scripts that torchrun starts, such as "
-                                      "distributed.py; start this one as its docstring says",
-    ("--multiprocessing-distributed",): "every script here runs a process per GPU: multiprocessing_distributed.py "
-                                        "starts them itself, distributed.py under torchrun",
-    ("--world-size", "--rank"): "the launcher gives each process its rank (torchrun: --nnodes and --node-rank; this "
-                                "script's docstring says how it starts)",
-    ("--dist-url",): "the launcher's rendezvous is used (torchrun: --rdzv-endpoint; this script's docstring says how "
-                     "it starts)",
-    ("--gpu",): "each visible GPU gets a process; for one GPU, start a single process with CUDA_VISIBLE_DEVICES=N",
-    ("--start-epoch",): "a run starts at the epoch of its checkpoint: give --resume PATH, or --resume auto",
+FOREIGN_FLAGS = {  # other scripts' flags that users bring along, and what this one does instead
+    ("--local-rank", "--local_rank"): "torch.distributed.launch passes it to torchrun's scripts; see the docstring",
+    ("--multiprocessing-distributed",): "every script here runs a process per GPU: see the docstring for how",
+    ("--world-size", "--rank", "--dist-url"): "the launcher gives each process its rank and peers: see the docstring",
+    ("--gpu",): "each visible GPU gets a process; for one GPU, start one process with CUDA_VISIBLE_DEVICES=N",
+    ("--start-epoch",): "a run starts at its checkpoint's epoch: give --resume PATH, or --resume auto",
 }
 
 
