@@ -61,7 +61,6 @@ from torch.optim import swa_utils  # [ema]
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 from torch.utils.tensorboard import SummaryWriter  # [logs]
 from torchvision.transforms import v2
-from tqdm import tqdm
 
 
 # =============================================================================================
@@ -429,12 +428,11 @@ def main_worker(args, local_index=None):
         return None
 
     writer = open_writer(args, rank, run.epoch)  # [logs]
-    show_bar = rank == 0 and sys.stdout.isatty()
     while run.epoch < args.epochs:
         epoch, started = run.epoch, time.time()
         train_sampler.set_epoch(epoch)
         train_sampler.start = run.step * local_batch
-        train = train_one_epoch(run, train_batches, args, log, show_bar)
+        train = train_one_epoch(run, train_batches, args, log)
         if train is None:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
         train_seconds = time.time() - started
@@ -507,7 +505,7 @@ class RunState:
                 f"random states start afresh (results match, but not bit for bit)")
 
 
-def train_one_epoch(run, batches, args, log, show_bar):
+def train_one_epoch(run, batches, args, log):
     """One pass over this rank's share of the data, from step run.step on. Returns the epoch's summary (loss,
     acc1, count), or None when every rank agreed to stop: run.step and run.train_sums then say where."""
     run.train_model.train()
@@ -517,8 +515,6 @@ def train_one_epoch(run, batches, args, log, show_bar):
         metrics.sums[:len(run.train_sums)] += run.train_sums.to(device)  # this epoch's part before a preemption
     steps_per_epoch = run.step + len(batches)
     first_bad = torch.full((), -1, device=device)  # [safety]
-    bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
-               disable=not show_bar)
     last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[3].item()
 
     def report(step):
@@ -529,26 +525,20 @@ def train_one_epoch(run, batches, args, log, show_bar):
         text = (f"loss {s['loss']:.4f} acc1 {s['acc1']:.2f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
                 f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.0f} img/s")
         last_time, last_count = now, s["count"]
-        if show_bar:
-            bar.set_postfix_str(text)
-        else:
-            log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
+        log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
         return s
 
     batches = run.profiler.timed(batches)  # [profile]
     for step, (images, target) in enumerate(batches, start=run.step):
         if run.preemption.agreed():  # [preemption]
-            bar.close()  # [preemption]
             run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()  # [preemption]
             return None  # [preemption]
         loss_sum, output, clipped = train_step(run, images, target, args)
         metrics.update(loss_sum, output, target, clipped)
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)  # [safety]
-        bar.update()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
             report(step + 1)
     summary = report(steps_per_epoch)
-    bar.close()
     run.step, run.train_sums = 0, None
     return summary
 
@@ -1113,7 +1103,7 @@ def benchmark(run, args, world_size, log, val_set):
     autocast = str(run.amp_dtype).replace("torch.", "") if run.amp_dtype else "off"
     for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
         started = time.time()
-        train = train_one_epoch(run, [batch] * steps, args, log, False)
+        train = train_one_epoch(run, [batch] * steps, args, log)
         if train is None:
             return
     log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "

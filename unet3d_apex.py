@@ -56,7 +56,6 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torch.utils.tensorboard import SummaryWriter  # [logs]
-from tqdm import tqdm
 
 try:
     import tifffile
@@ -337,12 +336,11 @@ def main_worker(args, local_index=None):
         return None
 
     writer = open_writer(args, rank, run.epoch)  # [logs]
-    show_bar = rank == 0 and sys.stdout.isatty()
     while run.epoch < args.epochs:
         epoch, started = run.epoch, time.time()
         train_sampler.set_epoch(epoch)
         train_sampler.start = run.step * local_batch
-        train = train_one_epoch(run, train_batches, args, log, show_bar)
+        train = train_one_epoch(run, train_batches, args, log)
         if train is None:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
         train_seconds, lr = time.time() - started, optimizer.param_groups[0]["lr"]
@@ -409,7 +407,7 @@ class RunState:
                 f"random states start afresh (results match, but not bit for bit)")
 
 
-def train_one_epoch(run, batches, args, log, show_bar):
+def train_one_epoch(run, batches, args, log):
     """One pass over this rank's share of the patches, from step run.step on. Returns the epoch's summary (loss,
     dice, count), or None when every rank agreed to stop: run.step and run.train_sums then say where."""
     run.train_model.train()
@@ -419,8 +417,6 @@ def train_one_epoch(run, batches, args, log, show_bar):
         metrics.sums += run.train_sums.to(device)  # the part of this epoch trained before a preemption
     steps_per_epoch = run.step + len(batches)
     first_bad = torch.full((), -1, device=device)  # [safety]
-    bar = tqdm(total=steps_per_epoch, initial=run.step, desc=f"Epoch {run.epoch}", dynamic_ncols=True,
-               disable=not show_bar)
     last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[1].item()
 
     def report(step):
@@ -431,25 +427,19 @@ def train_one_epoch(run, batches, args, log, show_bar):
         text = (f"loss {s['loss']:.4f} dice {s['dice']:.4f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
                 f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.1f} img/s")
         last_time, last_count = now, s["count"]
-        if show_bar:
-            bar.set_postfix_str(text)
-        else:
-            log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
+        log(f"Epoch {run.epoch} [{step:>{len(str(steps_per_epoch))}}/{steps_per_epoch}] {text}")
         return s
 
     for step, (images, labels) in enumerate(batches, start=run.step):
         if run.preemption.agreed():  # [preemption]
-            bar.close()  # [preemption]
             run.step, run.train_sums = step, reduce_tensor(metrics.sums).cpu()  # [preemption]
             return None  # [preemption]
         loss_sum, logits = train_step(run, images, labels)
         metrics.update(loss_sum, logits, labels[:, None])
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss_sum), step, first_bad)  # [safety]
-        bar.update()
         if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
             report(step + 1)
     summary = report(steps_per_epoch)
-    bar.close()
     run.step, run.train_sums = 0, None
     return summary
 
