@@ -327,6 +327,8 @@ class MasterWeights(torch.amp.GradScaler):
         by_id = {id(p): master for p, master in self.masters.values()}
         for group in optimizer.param_groups:  # apex rewrote the optimizer's groups the same way
             group["params"] = [by_id.get(id(p), p) for p in group["params"]]
+        for p, master in self.masters.values():  # and their state (SGD's momentum, made as zeros)
+            optimizer.state[master] = optimizer.state.pop(p, {})
         # (functions, not bound methods: torch marks the hooks it is given with an attribute)
         model.register_state_dict_post_hook(lambda module, state, prefix, meta: self._masters_out(state, prefix))
         model.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: self._masters_in(state, prefix))
