@@ -304,6 +304,8 @@ def setup_precision(model, optimizer, args, device, log):
             for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                 if t.is_floating_point():
                     t.data = t.data.to(dtype)
+                    for key, value in optimizer.state.get(t, {}).items():  # O3: SGD's momentum, made as zeros
+                        optimizer.state[t][key] = value.to(dtype)
     # as apex did: inputs are cast to the model's precision, outputs back to fp32 for the loss
     model.register_forward_pre_hook(lambda m, xs: tuple(x.to(dtype) if x.is_floating_point() else x for x in xs))
     model.register_forward_hook(lambda m, inputs, output: output.float())
