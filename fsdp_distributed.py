@@ -77,6 +77,7 @@ def parse_args(argv=None):
         help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
     add("--dropout", type=in_range(float, 0, below=1), default=None, help="for models that take one (0: off)")
+    add("--num-classes", type=in_range(int, 1), default=None, metavar="N", help="default: the train set's")
     add("-j", "--workers", type=in_range(int, 0), default=4, help="data loading processes per training process")
     add("--epochs", type=in_range(int, 0), default=90)
     add("-b", "--batch-size", type=in_range(int, 1), default=256, help="global batch, divided over the processes")
@@ -187,9 +188,13 @@ def build_datasets(args):
     if args.dummy:  # [dummy]
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),  # [dummy]
                 SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))  # [dummy]
+    if not (args.data and os.path.isdir(args.data)):
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
     sets = []
     for split, tf in (("train", train_tf), ("val", val_tf)):
         root = os.path.join(args.data, split)
+        if not os.path.isdir(root):
+            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
         try:
             sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
         except FileNotFoundError as e:
@@ -524,16 +529,16 @@ def main_worker(args, local_index=None):
     sets = build_datasets(args)
     check_run(args, world_size, device, sets)  # [safety]
     train_set, val_set = sets
-    num_classes, local_batch = class_count(train_set), args.batch_size // world_size
+    num_classes, local_batch = args.num_classes or class_count(train_set), args.batch_size // world_size
     # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
     # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
     train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
     ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
+    check_fit(ckpt_path, ckpt, sets, args)  # [safety]
+    claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed)
     model = build_model(args, num_classes)  # the same initial weights on every rank
-    check_fit(ckpt_path, ckpt, model, args)  # [safety]
-    claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed + rank)  # but each rank its own dropout draws
     group = start_process_group(args, rank, world_size, device, log)
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
@@ -844,6 +849,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+NORMALIZE = {3: ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 1: ((0.449,), (0.226,))}  # ImageNet's; gray: their mean
+
+
 def load_image(path):
     """The image as an RGB uint8 CxHxW tensor. JPEGs go through libjpeg-turbo (torchvision.io); what it
     cannot take (PNG, a PNG named .JPEG, CMYK, a file cut short: no end marker) goes through PIL."""
@@ -879,8 +887,10 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
     fork_loader_workers(train_loader, val_loader)
-    return (train_sampler, Prefetcher(train_loader, device, args.channels_last),
-            Prefetcher(val_loader, device, args.channels_last))
+    mean, std = getattr(train_set, "mean", None), getattr(train_set, "std", None)  # the data's own normalization
+    normalize = NORMALIZE if mean is None else {len(mean): (mean, std)}
+    return (train_sampler, Prefetcher(train_loader, device, args.channels_last, normalize),
+            Prefetcher(val_loader, device, args.channels_last, normalize))
 
 
 def fork_loader_workers(*loaders):
@@ -953,13 +963,14 @@ class ShardSampler(Sampler):
 
 
 class Prefetcher:
-    """Yields a loader's batches on the device, one batch ahead (on a side CUDA stream). A uint8 image batch takes the
-    model's memory format and is normalized there; inputs of another dtype are only moved."""
+    """Yields a loader's batches on the device, one batch ahead (on a side CUDA stream), 4-D inputs in the model's
+    memory format. A uint8 image batch becomes float there, normalized by `normalize`'s (mean, std) for its number
+    of channels (0-1 units, as NORMALIZE); inputs of another dtype are only moved."""
 
-    def __init__(self, loader, device, channels_last=False):
+    def __init__(self, loader, device, channels_last, normalize):
         self.loader, self.device = loader, device
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+        self.normalize = {channels: [torch.tensor(v, device=device).view(1, -1, 1, 1) * 255 for v in mean_std]
+                          for channels, mean_std in normalize.items()}
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:  # mean and std were made on the current stream: the side stream reads them
@@ -974,8 +985,10 @@ class Prefetcher:
             image = images.dtype == torch.uint8
             images = images.to(self.device, non_blocking=True)
             target = target.to(self.device, non_blocking=True).long()  # any integer labels: cross_entropy's int64
+            images = images.contiguous(memory_format=self.memory_format) if images.dim() == 4 else images
             if image:
-                images = images.contiguous(memory_format=self.memory_format).float().sub_(self.mean).div_(self.std)
+                mean, std = self.normalize[images.shape[1]]
+                images = images.float().sub_(mean).div_(std)
         return images, target
 
     def __iter__(self):
@@ -1280,7 +1293,7 @@ def benchmark(run, args, world_size, log, val_set):
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     example = val_set[0][0]
     if example.dtype == torch.uint8:
-        images = torch.randn(local_batch, 3, args.crop_size, args.crop_size, device=device)
+        images = torch.randn(local_batch, example.shape[0], args.crop_size, args.crop_size, device=device)
     else:
         images = example.to(device).expand(local_batch, *example.shape).clone()
     batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
@@ -1477,10 +1490,11 @@ def call_spec(spec, flag, *args, **kwargs):
 
 class ImageCrops(Dataset):
     """A --dataset's set, its uint8 images cropped by `transform` (--crop-size, as ImageFolder's); any other input
-    passes unchanged. Its number of classes is the dataset's."""
+    passes unchanged. Its number of classes and normalization (mean, std) are the dataset's."""
 
     def __init__(self, dataset, transform):
         self.dataset, self.transform, self.num_classes = dataset, transform, class_count(dataset)
+        self.mean, self.std = getattr(dataset, "mean", None), getattr(dataset, "std", None)
 
     def __len__(self):
         return len(self.dataset)
@@ -1534,13 +1548,6 @@ def check_args(args):
     if args.pretrained and ":" in args.arch:
         raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own model: load "
                         f"its weights inside {args.arch.split(':')[-1]}, or drop --pretrained")
-    if not (getattr(args, "dummy", 0) or getattr(args, "dataset", None)):  # ImageFolder's folders
-        if not (args.data and os.path.isdir(args.data)):
-            raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or "
-                            f"--dummy")
-        for root in (os.path.join(args.data, "train"), os.path.join(args.data, "val")):
-            if not os.path.isdir(root):
-                raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
     if args.epochs == 0 and not (args.evaluate or getattr(args, "benchmark", 0)):
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
     if args.val_resize < args.crop_size:
@@ -1577,7 +1584,7 @@ def add_foreign_flags(parser):
 
 
 def check_run(args, world_size, device, sets):
-    """The rest of bad input, before any process waits for another: batch, launcher flags, data, model."""
+    """The rest of bad input, before the loaders start: the batch, the launcher's flags, the data."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -1585,18 +1592,17 @@ def check_run(args, world_size, device, sets):
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
     check_launch_args(args, world_size, device)
-    train_set, val_set, num_classes, example = check_datasets(sets, args)
+    train_set = check_datasets(sets, args)[0]
     if len(train_set) < args.batch_size and not args.evaluate:
         raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
                         f"lower -b")
-    check_model(args, num_classes, example)
 
 
 def check_datasets(sets, args):
     """Refuses in one line what build_datasets returned (--dataset's function's, or your edit's) if training cannot
     take it: two map-style, non-empty datasets whose items are (input tensor, integer label), a number of classes
-    (class_count), uint8 inputs that are 3xHxW images. Reads only the first validation item, whose input it
-    returns with the datasets and the number of classes: check_model runs the model on its shape."""
+    (class_count, --num-classes), uint8 inputs that are CxHxW images (C: 3, 1, or as many as its mean's). Reads only
+    the first validation item, whose input it returns with the datasets and the number of classes (check_model)."""
     spec = getattr(args, "dataset", None)  # None too where the block spec is cut
     source = f"--dataset {spec}" if spec else "build_datasets"
     if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
@@ -1607,10 +1613,16 @@ def check_datasets(sets, args):
                             f"(__len__ and __getitem__)")
         if len(data) == 0:
             raise UserError(f"{source}: its {split} set is empty")
-    num_classes = class_count(sets[0])
+    own, num_classes = class_count(sets[0]), args.num_classes or class_count(sets[0])
     if not isinstance(num_classes, int) or num_classes < 1:
-        raise UserError(f"{source}: its train set has no number of classes: give it an attribute num_classes = N "
-                        f"(or classes, a list of N names), labels being 0 to N-1")
+        raise UserError(f"{source}: its train set has no number of classes: give --num-classes N, or the set an "
+                        f"attribute num_classes = N (or classes, a list of N names), labels being 0 to N-1")
+    if isinstance(own, int) and num_classes < own:
+        raise UserError(f"--num-classes {num_classes}, but {source}'s train set has {own} classes: drop the flag")
+    mean, std = getattr(sets[0], "mean", None), getattr(sets[0], "std", None)
+    channels = tuple(NORMALIZE) if mean is None else (len(mean),)
+    if mean is not None and (std is None or len(std) != len(mean)):
+        raise UserError(f"{source}: its train set's mean {mean!r} and std {std!r} need one value per channel each")
     try:
         item = sets[1][0]
     except RankError:  # an unreadable image: the rank that reads it in evaluation says so
@@ -1625,9 +1637,9 @@ def check_datasets(sets, args):
                         f"not (input tensor, label)")
     inputs, label = item
     shape = "x".join(map(str, inputs.shape))
-    if inputs.dtype == torch.uint8 and (inputs.ndim != 3 or inputs.shape[0] != 3):
-        raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are RGB images "
-                        f"(3xHxW): give other data as float tensors")
+    if inputs.dtype == torch.uint8 and (inputs.ndim != 3 or inputs.shape[0] not in channels):
+        raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are images, CxHxW with "
+                        f"C {' or '.join(map(str, channels))} (as its mean and std): give other data as float tensors")
     try:  # the label as training takes it: in a batch (default_collate), which the Prefetcher makes int64
         target = default_collate([label])
         torch.iinfo(target.dtype)  # an integer dtype: not bool
@@ -1644,7 +1656,8 @@ def check_model(args, num_classes=1000, example=None):
     it cannot train on: `example`, one input of the data (None: an image of --crop-size). One training forward pass
     on the meta device (shapes only: 0.01-0.8 s) checks the input and the logits' width; for a torchvision model
     that fails on images, more passes find the --crop-size to name. Your own model gets a verdict only from a torch
-    function that fails on its inputs' shapes and dtypes, not from what meta tensors lack (.item()) or its own code."""
+    function that fails on its inputs' shapes and dtypes, not from what meta tensors lack (.item()) or its own code.
+    Returns the model built there (None if it could not be)."""
     image = example is None or example.dtype == torch.uint8  # the Prefetcher makes uint8 images float
     shape = (3, args.crop_size, args.crop_size) if example is None else tuple(example.shape)
     dtype = torch.float32 if image else example.dtype
@@ -1652,7 +1665,7 @@ def check_model(args, num_classes=1000, example=None):
         with torch.device("meta"):
             model = build_model(args, num_classes, load_weights=False).train()
     except Exception:  # no verdict: regnet_* compute their layout with tensors, which hold no values there; your
-        return  # model may need a real device to build (build_model, run on it later, says what fails)
+        return None  # model may need a real device to build (build_model, run on it later, says what fails)
     model = getattr(model, "_orig_mod", model)  # torch.compile'd: the same shapes, with nothing to compile
     known = args.arch in MODEL_NAMES and type(model).__module__.startswith("torchvision.")
 
@@ -1680,10 +1693,11 @@ def check_model(args, num_classes=1000, example=None):
 
     reason = failure()
     if reason is None:
-        return
+        return model
     if not (image and known):
         raise UserError(f"--arch {args.arch} does not take the data's inputs ({'x'.join(map(str, shape))} "
-                        f"{str(dtype).replace('torch.', '')}): {reason}")
+                        f"{str(dtype).replace('torch.', '')}): {reason}"
+                        + (f"; images reach it at --crop-size {args.crop_size}: give the size it takes" * image))
     weights = torchvision.models.get_model_weights(args.arch).DEFAULT
     hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
     fits = next((size for size in hints if size and failure(size) is None), None)
@@ -1701,17 +1715,19 @@ def check_model(args, num_classes=1000, example=None):
     raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
 
 
-def check_fit(path, ckpt, model, args):
-    """Refuses, before any process waits for another, a checkpoint that does not fit the command line (its model,
-    dropout, weights, classes), in one line that names both sides, not load_state_dict's traceback on every rank."""
-    if not ckpt:
-        return
-    arch = ckpt.get("arch", args.arch)
-    if arch not in MODEL_NAMES and ":" not in str(arch):
+def check_fit(path, ckpt, sets, args):
+    """Refuses, before any process waits for another, a model that does not fit the data (check_model), and a
+    checkpoint that does not fit the command line (its model, dropout, weights, classes): one line that names both
+    sides, not load_state_dict's traceback on every rank. The checkpoint's model first: it says which -a to give."""
+    arch = ckpt and ckpt.get("arch", args.arch)
+    if ckpt and arch not in MODEL_NAMES and ":" not in str(arch):
         raise UserError(f"{path} holds a {arch} model, not a torchvision classification model: it is another "
                         f"script's checkpoint; resume it with that script")
-    if arch != args.arch:
+    if ckpt and arch != args.arch:
         raise UserError(f"{path} holds a {arch} model, not {args.arch}: pass -a {arch} or another checkpoint")
+    model = check_model(args, *check_datasets(sets, args)[2:])
+    if not ckpt or model is None:  # a model the meta device cannot build: load_state_dict says what does not fit
+        return
     trained = ckpt.get("args", {}).get("dropout", args.dropout)
     if trained != args.dropout and not args.evaluate:
         said = {value: "the model's own dropout" if value is None else f"--dropout {value}"

@@ -27,7 +27,7 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 # the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
 SEAMS = ["build_model", "build_datasets"]
 NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group", "param_groups",
-         "new_optimizer", "lr_factor", "class_count", "IMAGENET_MEAN", "IMAGENET_STD", "load_image", "collate",
+         "new_optimizer", "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
@@ -69,7 +69,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus"},
                                   "check_model", "build_model", "param_groups", "new_optimizer",
                                   "lr_factor", "check_run", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
-                                  "IMAGENET_MEAN", "IMAGENET_STD", "SyntheticImages", "load_image",
+                                  "NORMALIZE", "SyntheticImages", "load_image",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
                                   "Metrics", "benchmark",
                                   "memory_use",

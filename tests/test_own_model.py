@@ -191,6 +191,85 @@ def grey_images(args):
     train, val = table(args)
     val.rows = torch.zeros(40, 8, 8, dtype=torch.uint8)
     return train, val
+
+
+class Gray(Table):
+    """1x12x12 uint8 images, as MNIST's: class k has brightness 60 + 70k, every image its own noise."""
+
+    def __init__(self, size, seed):
+        super().__init__(size, seed)
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(size, 1, 12, 12, generator=g) * 20
+        self.rows = (60 + 70 * self.labels[:, None, None, None] + noise).clamp(0, 255).to(torch.uint8)
+
+
+def gray(args):
+    return Gray(96, 0), Gray(30, 1)
+
+
+def gray_normalized(args):  # with the data's own normalization, as a dataset may carry it
+    sets = gray(args)
+    for data in sets:
+        data.mean, data.std = (0.5,), (0.25,)
+    return sets
+
+
+class GrayCNN(CNN):
+    def __init__(self, num_classes, channels=1):
+        super().__init__(num_classes)
+        self.conv = nn.Conv2d(channels, 8, 3)
+
+
+def gray_cnn(num_classes):
+    return GrayCNN(num_classes)
+
+
+def small_rgb(args):  # 3x12x12 images, as the crop leaves them at --crop-size 12
+    train, val = gray(args)
+    for data in (train, val):
+        data.rows = data.rows.expand(-1, 3, -1, -1).contiguous()
+    return train, val
+
+
+class FlatCNN(GrayCNN):
+    """A fixed flatten: 3x12x12 inputs only."""
+
+    def __init__(self, num_classes):
+        super().__init__(num_classes, channels=3)
+        self.fc = nn.Linear(8 * 10 * 10, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def flat_cnn(num_classes):
+    return FlatCNN(num_classes)
+
+
+def tensors(args):  # a TensorDataset: no num_classes, no classes
+    return (torch.utils.data.TensorDataset(Table(192, 0).rows, Table(192, 0).labels),
+            torch.utils.data.TensorDataset(Table(40, 1).rows, Table(40, 1).labels))
+
+
+def volumes(args):  # 1x4x6x6 float volumes, the class in their mean
+    train, val = table(args)
+    for data in (train, val):
+        data.rows = data.labels[:, None, None, None, None].float() + torch.randn(len(data.labels), 1, 4, 6, 6) * 0.3
+    return train, val
+
+
+class Conv3d(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 4, 3)
+        self.fc = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3, 4)))
+
+
+def conv3d(num_classes):
+    return Conv3d(num_classes)
 '''
 TABLE = ["--dataset", "mine:table", "-a", "mine:mlp", "-b", "16", "--lr", "0.05", "-j", "2", "-p", "1",
          "--deterministic"]
@@ -313,6 +392,31 @@ def test_a_compiled_model_resumes_and_evaluates(project, tmp_path):
     assert acc1 == pytest.approx(metrics(tmp_path)[-1]["val_acc1"], abs=1e-3)
 
 
+@pytest.mark.parametrize("dataset", ["gray", "gray_normalized"])
+def test_grayscale_images_train(dataset, project, tmp_path):
+    """1xHxW uint8 images (MNIST's kind) are cropped and normalized as RGB ones: by the data's own mean and std
+    when it has them, else by the mean of ImageNet's."""
+    ok(python(project / "distributed.py", "--dataset", f"mine:{dataset}", "-a", "mine:gray_cnn", "--crop-size", "10",
+              "--val-resize", "12", "-b", "8", "--lr", "0.05", "-j", "0", "--epochs", "2", "--output-dir", tmp_path,
+              cwd=project))
+    assert metrics(tmp_path)[-1]["val_acc1"] >= 70
+
+
+def test_a_tensor_dataset_takes_num_classes(project, tmp_path):
+    """A TensorDataset has no num_classes to give: --num-classes N (timm's flag) says it."""
+    ok(python(project / "distributed.py", *TABLE, "--dataset", "mine:tensors", "--num-classes", "3", "-j", "0",
+              "--epochs", "1", "--output-dir", tmp_path, cwd=project))
+    assert metrics(tmp_path)[0]["val_acc1"] >= 70 and load(tmp_path / "checkpoint.pth.tar")["state_dict"][
+        "out.bias"].shape == (3,)
+
+
+def test_channels_last_with_a_conv3d_model(project, tmp_path):
+    """--channels-last takes the 4-D weights only: a Conv3d's 5-D weights and inputs stay as they are."""
+    ok(python(project / "distributed.py", *TABLE, "--dataset", "mine:volumes", "-a", "mine:conv3d", "--channels-last",
+              "-j", "0", "--epochs", "1", "--output-dir", tmp_path, cwd=project))
+    assert metrics(tmp_path)[0]["val_acc1"] >= 50
+
+
 def edit(source, name, body):
     """The script with function `name` replaced: what a user who edits the copy does."""
     start = source.index(f"\ndef {name}(")
@@ -347,11 +451,17 @@ BAD = {
     "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
-                                        r"an input is a uint8 tensor of shape 8x8; uint8 inputs are RGB images"),
+                                        r"an input is a uint8 tensor of shape 8x8; uint8 inputs are images, CxHxW "
+                                        r"with C 3 or 1"),
     "labels that batch to Nx1": (["--dataset", "mine:row_labels", "-a", "mine:mlp"],
                                  r"a label is tensor\(\[0\]\); labels are integers from 0 to num_classes - 1"),
     "no number of classes": (["--dataset", "mine:no_classes", "-a", "mine:mlp"],
-                             r"its train set has no number of classes: give it an attribute num_classes"),
+                             r"its train set has no number of classes: give --num-classes N, or the set an attribute"),
+    "fewer classes than the data's": (["--dataset", "mine:table", "-a", "mine:mlp", "--num-classes", "2"],
+                                      r"--num-classes 2, but --dataset mine:table's train set has 3 classes"),
+    "small images at the default crop": (["--dataset", "mine:small_rgb", "-a", "mine:flat_cnn"],
+                                         r"does not take the data's inputs \(3x224x224 float32\): .*; images reach it "
+                                         r"at --crop-size 224: give the size it takes"),
     "an image model on a table": (["--dataset", "mine:table"], r"--arch resnet18 does not take the data's inputs"),
     "pretrained weights for your model": (["--dataset", "mine:table", "-a", "mine:mlp", "--pretrained"],
                                           r"--pretrained loads torchvision's weights.*load its weights inside mlp"),
