@@ -36,7 +36,7 @@ FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark"
             "set_tf32", "SyntheticImages", "RandomResizedCropFlip", "load_spec", "call_spec", "ImageCrops",
             "open_writer", "write_epoch"]
 SAFETY = ["check_args", "check_run", "check_datasets", "check_model", "check_fit", "check_same_checkpoint",
-          "check_items", "check_finite", "PEER_GONE", "PEER_GONE_TYPES", "explain_failure", "safety_net",
+          "check_items", "check_finite", "PEER_GONE", "explain_failure", "safety_net",
           "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX
