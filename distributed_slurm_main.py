@@ -1779,26 +1779,27 @@ def check_finite(summary, first_bad, epoch):
                         f"lower --lr, add --warmup-epochs, or check the data")
 
 
-PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed",
-             "communicator was aborted", "remote process exited", "ncclremoteerror", "ncclsystemerror")
-
-
-PEER_GONE_TYPES = {"DistNetworkError", "DistBackendError", "HorovodInternalError"}  # by name: no import needed
+PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed", "got 0 bytes",
+             "communicator was aborted", "remote process exited", "ncclremoteerror")  # words that say so: not a type
 
 
 def explain_failure(error, args):
     """What to raise for an error that ends training on this rank: a failure on some rank mid-run becomes one
     line (RankError) on each rank that meets it, the cause on the rank where it happened, "a peer ended" on the
     others. A collective that timed out (a rank stopped answering), one that lost its peer (gloo, NCCL, Horovod), a
-    DataLoader worker killed (the out-of-memory killer, mostly); any other error stays itself, traceback and all."""
+    DataLoader worker killed (the out-of-memory killer, mostly), NCCL failing here (out of memory, shared memory, a
+    bug: what NCCL says, and what to do); any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
     if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
         return UserError(f"not every rank joined the process group within --dist-timeout "
                          f"{getattr(args, 'dist_timeout', 0):g}s: a rank elsewhere may have stopped (see the output "
                          f"of every node), or was never started")
-    try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a closed pipe)
-        torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
+    try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a pipe or a socket
+        # closed: one killed while it hands over a batch closes its end a moment before it can be waited for)
+        for pause in [0] + [0.05] * (20 if isinstance(error, (OSError, EOFError)) else 0):
+            time.sleep(pause)
+            torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
     except RuntimeError as killed:
         error = killed
     cause = error
@@ -1827,7 +1828,8 @@ def explain_failure(error, args):
         return RankError(f"{what} {ended}: if the out-of-memory killer ended it (dmesg says so), use fewer "
                          f"-j/--workers or give the job more memory; otherwise -j 0 shows the error in the training "
                          f"process")
-    line = next((line for line in lines if any(words in line.lower() for words in PEER_GONE)), lines[-1])
+    specific = [line for line in lines if not line.startswith(("nccl", "Last error"))] or lines  # not NCCL's glosses
+    line = next((line for line in lines if any(words in line.lower() for words in PEER_GONE)), specific[-1])
     if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
         line = line.split(", ", 1)[-1]
     detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
@@ -1840,10 +1842,18 @@ def explain_failure(error, args):
         return RankError(f"a peer ended or stopped answering within {timeout}, so this "
                          f"rank stops too ({detail}): Horovod's first error above says which; the error line of the "
                          f"rank that ended first says why")
-    if any(words in lowered for words in PEER_GONE) or {t.__name__ for t in type(error).__mro__} & PEER_GONE_TYPES:
+    if any(words in lowered for words in PEER_GONE):
         return RankError(f"a peer ended, so this rank stops too ({detail}): the error line of the rank that ended "
                          f"first says why; with none, it was killed (the launcher names the signal; SIGKILL: often "
                          f"the out-of-memory killer)")
+    if "nccl" in lowered:  # no peer lost: the cause is this rank's
+        hints = {("out of memory", "calloc"): "the GPU is out of memory: use a smaller -b/--batch-size",
+                 ("shared memory", "/dev/shm"): "too little shared memory (/dev/shm): give the job more (docker run "
+                                                "--shm-size), or set NCCL_SHM_DISABLE=1",
+                 ("invalid usage", "invalid argument"): "a bug, or ranks that disagree (two on a GPU, other calls)"}
+        hint = next((hint for words, hint in hints.items() if any(w in lowered for w in words)),
+                    "NCCL_DEBUG=INFO shows why")
+        return RankError(f"NCCL failed on this rank ({detail}): {hint}")
     return error
 
 
@@ -1857,6 +1867,9 @@ def safety_net(main_worker):
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker
             if catch_ctrl_c.pressed:  # a peer that the same Ctrl-C stopped first: no failure
                 raise KeyboardInterrupt from None
+            if type(e).__module__.startswith("horovod"):  # its thread logs why as it dies, in pieces: the error line
+                sys.stderr.reconfigure(line_buffering=False, write_through=False)  # goes out in one write (print's
+                sys.stderr.write("\n")  # flush), after a newline: a line of its own
             raise explain_failure(e, args) from None
     return guarded
 

@@ -36,9 +36,8 @@ FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark"
             "SyntheticImages", "RandomResizedCropFlip", "load_spec", "call_spec", "ImageCrops",
             "open_writer", "write_epoch"]
 SAFETY = ["check_args", "FOREIGN_FLAGS", "add_foreign_flags", "check_run", "check_datasets", "check_model", "check_fit",
-          "check_shared_gpus",
-          "explain_failed_save", "check_same_checkpoint",
-          "check_items", "check_finite", "PEER_GONE", "PEER_GONE_TYPES", "explain_failure", "safety_net",
+          "check_shared_gpus", "explain_failed_save", "check_same_checkpoint", "check_items", "check_finite",
+          "PEER_GONE", "explain_failure", "safety_net",
           "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX
