@@ -109,11 +109,11 @@ def test_the_prefetcher_normalizes_once(script):
     fast_collate) and the Prefetcher with mean 0 and std 1, channels_last; normalizing twice would put the
     mean near -2."""
     g = torch.Generator().manual_seed(0)
-    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in (script.IMAGENET_MEAN, script.IMAGENET_STD))
+    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in script.NORMALIZE[3])
     samples = [((mean + std * torch.randn(3, 16, 16, generator=g)).round().clamp(0, 255).to(torch.uint8), i % 4)
                for i in range(64)]
     batches = list(script.Prefetcher(DataLoader(samples, batch_size=32, collate_fn=script.collate), torch.device("cpu"),
-                                     channels_last=True))
+                                     True, script.NORMALIZE))
     assert len(batches) == 2
     images, target = batches[0]
     assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)

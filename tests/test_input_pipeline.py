@@ -125,8 +125,22 @@ def test_batches_reach_the_model_normalized_in_its_memory_format(script, channel
     samples = [(script.RandomResizedCropFlip(32)(image), label) for label in range(6)]
     assert script.collate(samples)[0].is_contiguous(memory_format=torch.channels_last)
     loader = DataLoader(samples, batch_size=6, num_workers=1, collate_fn=script.collate)
-    [(images, labels)] = list(script.Prefetcher(loader, torch.device("cpu"), channels_last))
+    [(images, labels)] = list(script.Prefetcher(loader, torch.device("cpu"), channels_last, script.NORMALIZE))
     raw, expected_labels = default_collate(samples)
-    mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (script.IMAGENET_MEAN, script.IMAGENET_STD))
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in script.NORMALIZE[3])
     assert torch.equal(labels, expected_labels) and torch.allclose(images, (raw.float() - mean) / std)
     assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("normalize", [None, {1: ((0.5,), (0.25,))}])
+def test_gray_images_normalized_by_the_datas_mean_or_imagenets_and_float_inputs_channels_last(script, normalize):
+    """1xHxW uint8 images: the data's own mean and std, else the mean of ImageNet's three (0.449, 0.226); float
+    inputs pass unchanged, in the model's memory format (FSDP and Horovod keep the weights contiguous and rely on
+    channels-last inputs)."""
+    gray = torch.randint(0, 256, (4, 1, 8, 8), dtype=torch.uint8)
+    floats = torch.randn(4, 3, 8, 8)
+    [(images, _), (same, _)] = list(script.Prefetcher([(gray, torch.zeros(4)), (floats, torch.zeros(4))],
+                                                      torch.device("cpu"), True, normalize or script.NORMALIZE))
+    mean, std = (normalize or {1: ((0.449,), (0.226,))})[1]
+    assert torch.allclose(images, (gray.float() - mean[0] * 255) / (std[0] * 255))
+    assert torch.equal(same, floats) and same.is_contiguous(memory_format=torch.channels_last)
