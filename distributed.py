@@ -1611,11 +1611,9 @@ def explain_failed_save(save_checkpoint):
 def check_same_checkpoint(views):
     """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
     if len(set(views)) > 1:
-        seen = {}
-        for rank, view in enumerate(views):
-            seen.setdefault(view, []).append(rank)
-        text = "; ".join(f"{'rank' if len(ranks) == 1 else f'{len(ranks)} ranks from'} {ranks[0]}: "
-                         + (f"epoch {view[0]} step {view[1]}" if view else "none") for view, ranks in seen.items())
+        first = {view: views.index(view) for view in views}  # the first rank of each view
+        text = "; ".join(f"rank {rank}: " + (f"epoch {view[0]} step {view[1]}" if view else "none")
+                         for view, rank in first.items())
         raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
                         f"must be on a filesystem that every node shares and sees up to date")
 
