@@ -1,9 +1,14 @@
-"""Two GPUs: NCCL between two of them under every launcher, and DataParallel over two. Skipped on a machine of one
-GPU (saying so); with GPU_SUITE_ON_CPU=1, two processes stand in for the two GPUs."""
+"""Two GPUs: NCCL between two of them under every launcher, DataParallel over two, and a peer that NCCL loses. Skipped
+on a machine of one GPU (saying so: NCCL refuses two ranks on one GPU); with GPU_SUITE_ON_CPU=1, two processes stand
+in for the two GPUs (gloo for NCCL)."""
+import re
+import signal
+import time
+
 import pytest
 
-from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, ok, python, spawn,
-                      torchrun)
+from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, error_lines, ok, python,
+                      spawn, torchrun)
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HALF, NCCL, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
                       assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, made_once, preempt,
@@ -67,3 +72,40 @@ def test_every_launcher_across_two_gpus(case, image_data, tmp_path):
         pytest.skip(why)
     start, says, processes = CASES[case]
     assert_multi_rank_run(case, start(image_data, tmp_path), says, processes, tmp_path)
+
+
+TIMEOUT = 20  # --dist-timeout
+# 1000 steps of 2 x 8 in epoch 0, printing each, with loader workers: rank 1 is signalled well within it
+MID_EPOCH = ["--dummy", "--dummy-size", 16000, *FAST, "-j", 2, "-p", 1, "--epochs", 1, "--dist-timeout", TIMEOUT]
+
+
+def assert_rank_0_says(tmp_path, signum, expected, ends_within):
+    """distributed.py on two GPUs with NCCL, rank 1 given `signum` mid-epoch: the job fails within `ends_within` s,
+    leaves no process (Job.finish checks), and the surviving rank 0 prints the script's one line, `expected`, with no
+    traceback but torchrun's report. NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, which torchrun sets) may abort
+    rank 0 first, in a collective that waits for rank 1: this says whether it does."""
+    job = torchrun(DISTRIBUTED, 2, *MID_EPOCH, "--output-dir", tmp_path)
+    rank_1 = worker(job, 1)
+    job.wait_for_line("Epoch 0 [   2/1000]")
+    rank_1.send_signal(signum)
+    started = time.time()
+    job.finish(timeout=ends_within + 60)
+    assert job.returncode != 0 and time.time() - started < ends_within, job.output
+    errors = error_lines(job.output)
+    assert len(errors) == 1 and re.match(f"error: {expected}", errors[0]), f"not rank 0's one line:\n{job.output}"
+    tracebacks = job.output.count("Traceback (most recent call last)")
+    assert tracebacks == job.output.count("errors.ChildFailedError:"), job.output
+
+
+def test_a_peer_killed_mid_epoch_leaves_rank_0_one_line_that_a_peer_ended(tmp_path):
+    """SIGKILL (the out-of-memory killer): torchrun stops rank 0 at once, which must first say why."""
+    assert_rank_0_says(tmp_path, signal.SIGKILL, r"a peer ended, so this rank stops too \(.+\): the error line of the "
+                                                 r"rank that ended first says why", ends_within=TIMEOUT + 15)
+
+
+def test_a_peer_frozen_mid_epoch_leaves_rank_0_one_line_after_the_timeout(tmp_path):
+    """SIGSTOP (stuck in I/O or a driver call): rank 0 gives up after --dist-timeout; torchrun then kills rank 1 30 s
+    after asking it to stop."""
+    assert_rank_0_says(tmp_path, signal.SIGSTOP, rf"a rank stopped answering: this one waited --dist-timeout "
+                                                 rf"{TIMEOUT}s for it \(.*\); find the stuck process",
+                       ends_within=TIMEOUT + 30 + 15)
