@@ -510,7 +510,7 @@ def cannot_write(error, output_dir, need):
 def main():
     first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # reports for its node: each may see its own problem
     try:
-        main_worker(parse_args())
+        sys.exit(main_worker(parse_args()))  # None (0): finished
     except UserError as e:
         exit_bad_input(e, reporter=first_on_node)
     except KeyboardInterrupt:  # [safety]
@@ -520,7 +520,8 @@ def main():
 
 
 def main_worker(args, local_index=None):
-    """One training process, from finding its peers to its last checkpoint; returns a preempting signal or None."""
+    """One training process, from finding its peers to its last checkpoint; returns None, or the exit code of a run
+    stopped early (PREEMPTED)."""
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
@@ -560,7 +561,9 @@ def main_worker(args, local_index=None):
     run.preemption = Preemption(group)  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
-        log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)})")
+        moved = "" if args.evaluate or ckpt.get("world_size") == world_size else (  # a job resized, a node lost
+            f", world size {ckpt.get('world_size')} -> {world_size}: the same samples, fresh random states")
+        log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)}){moved}")
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
     if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
@@ -675,9 +678,6 @@ class RunState:
         self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
         if ckpt.get("world_size") == world_size:
             set_rng_state(ckpt["rng_states"][rank])
-        else:
-            log(f"note: checkpoint from {ckpt.get('world_size')} processes, now {world_size}: "
-                f"random states start afresh (results match, but not bit for bit)")
 
 
 def train_one_epoch(run, batches, args, log):
@@ -1324,18 +1324,23 @@ def memory_use(run, device):
     return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
 # endregion [benchmark]
 # region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice, a launcher gone): all ranks stop at one step, save
+PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
     launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
 
+    signum = None  # the signal that stopped the run (the Slurm script requeues after SIGUSR1 only)
+
     def __init__(self, group):
-        self.group, self.requested, self.signum, self.wait = group, False, None, None
+        self.group, self.requested, self.wait = group, False, None
         self.flag = torch.zeros(1)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
-        self.requested, self.signum = True, signum
+        self.requested, Preemption.signum = True, signum
 
     def agreed(self, now=False):
         """Called by every rank at every step: True on all ranks at the same step, the one after the signal; now: at
@@ -1356,11 +1361,15 @@ class Preemption:
         return self.flag.item() > 0
 
     def stop(self, run, args, rank, log, where, saved=False):
-        """Every rank: saves where the run stopped, unless it just did; returns the signal that stopped it."""
+        """Every rank: saves where the run stopped, unless it just did, and waits until all have (a launcher stops
+        the rest once one process exits non-zero); returns the exit code PREEMPTED."""
         if not saved:
             run.save(args, rank, is_best=False)
-        log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} {where}; continue with --resume auto")
-        return self.signum
+        if self.group is not None:
+            sum_async(self.flag, self.group)()
+        log(f"preempted: saved {os.path.join(args.output_dir, CHECKPOINT)} {where}; continue with --resume auto "
+            f"(exit code {PREEMPTED})")
+        return PREEMPTED
 
 
 def start_loader_worker(worker_id):

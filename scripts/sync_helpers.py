@@ -31,8 +31,8 @@ NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
-FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark", "memory_use", "Preemption",
-            "start_loader_worker", "die_with_parent", "print_or_drop", "set_tf32",
+FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark", "memory_use", "PREEMPTED",
+            "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop", "set_tf32",
             "SyntheticImages", "RandomResizedCropFlip", "load_spec", "call_spec", "ImageCrops",
             "open_writer", "write_epoch"]
 SAFETY = ["check_args", "FOREIGN_FLAGS", "add_foreign_flags", "check_run", "check_datasets", "check_model", "check_fit",

@@ -44,6 +44,10 @@ RESUME = [*FAST, "--deterministic", "-p", "1"]
 EPOCHS = 4
 CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
                    "world_size", "rng_states", "train_sums", "model_ema"}
+# the scripts' exit code for a run stopped before its last epoch, its checkpoint saved ("resume me")
+PREEMPTED = 75
+# torchrun's and horovodrun's exit code for a job one of whose processes exited non-zero (75 included)
+LAUNCHER_FAILED = 1
 # what a training run leaves in --output-dir (run.lock: the lock a second run given the folder stops at)
 OUTPUT_FILES = ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "run.lock", "tb"]
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
@@ -314,11 +318,11 @@ def assert_learned(out, epochs):
     return ckpt
 
 
-def assert_preempted(job, out, launcher_stopped=False):
-    """A job signalled during epoch 0 exits 0, with a checkpoint at the step where every rank stopped.
-    Returns that step. launcher_stopped: the launcher itself was signalled, and exits with its own code."""
+def assert_preempted(job, out, code=PREEMPTED):
+    """A job signalled during epoch 0 exits `code`, with a checkpoint at the step where every rank stopped.
+    Returns that step."""
     job.finish()
-    assert launcher_stopped or job.returncode == 0, job.output
+    assert job.returncode == code, job.output
     stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", job.output)
     assert stop, job.output
     ckpt = load(out / "checkpoint.pth.tar")

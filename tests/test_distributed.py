@@ -9,8 +9,9 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, RESUME, ROOT, Job, assert_learned, assert_preempted,
-                      assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok, python, torchrun)
+from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
+                      assert_preempted, assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok,
+                      python, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -107,7 +108,8 @@ def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image
     job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.process_of_rank(1).send_signal(signal.SIGTERM)  # one rank only: the others must agree to stop with it
-    step = assert_preempted(job, tmp_path)
+    step = assert_preempted(job, tmp_path, code=LAUNCHER_FAILED)
+    assert "exitcode  : 75" in job.output  # torchrun's report: the code it would restart on (--max-restarts)
     resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto",
                           "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output
@@ -122,7 +124,7 @@ def test_a_signal_to_torchrun_ends_in_the_preemption_checkpoint_with_loader_work
     job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "3", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.send_signal(signum)
-    assert_preempted(job, tmp_path, launcher_stopped=True)
+    assert_preempted(job, tmp_path, code=LAUNCHER_FAILED if signum == signal.SIGTERM else -signum)
     assert "DataLoader worker" not in job.output
 
 

@@ -179,6 +179,7 @@ def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", text)
     assert stop and 3 <= int(stop[1]) < 12, text
     assert f"requeued job {job_id}" in text and "(restart 1)" in text, text
+    assert "task 0: Exited with exit code 75" in text, text  # srun's report of the preempted step
     assert f"(epoch 0, step {stop[1]})" in text, text  # the restart resumed from that step, without --resume
     assert_same_run(out, uninterrupted)
 

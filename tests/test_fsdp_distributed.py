@@ -11,7 +11,8 @@ import pytest
 import torch
 import torchvision
 
-from conftest import NO_BN, assert_same_tensors, import_script, load, metrics, ok, python, torchrun, two_nodes
+from conftest import (LAUNCHER_FAILED, NO_BN, assert_same_tensors, import_script, load, metrics, ok, python, torchrun,
+                      two_nodes)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "fsdp_distributed.py"
@@ -127,8 +128,7 @@ def test_a_sharded_checkpoint_of_2_processes_resumes_on(nproc, pairs, two_epochs
     """torch.distributed.checkpoint reshards: each of nproc ranks reads its part of the 2 ranks' shards."""
     out = copy_of(pairs("sgd").out, tmp_path)
     job = ok(fsdp(nproc, out, image_data, *SGD, "--epochs", "2", "--resume", "auto"))
-    assert f"checkpoint from 2 processes, now {nproc}" in job.output
-    assert f"resumed from {out / 'checkpoint.dcp'} (epoch 1, step 0)" in job.output
+    assert f"resumed from {out / 'checkpoint.dcp'} (epoch 1, step 0), world size 2 -> {nproc}:" in job.output
     assert_same_tensors(weights(out), two_epochs, exact=False)
 
 
@@ -141,6 +141,7 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_auto_equals_an_uninterrupted_
     job.wait_for_line("Epoch 0 [ 3/16]")
     job.proc.send_signal(signal.SIGTERM)
     job.finish()
+    assert job.returncode == LAUNCHER_FAILED, job.output
     stop = re.search(r"preempted: saved .*checkpoint.dcp at epoch 0 step (\d+);", job.output)
     assert stop and 0 < int(stop[1]) < 16, job.output
     assert not export(out).exists() and not (out / "metrics.jsonl").exists()

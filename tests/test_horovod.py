@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from conftest import (BIN, CHECKPOINT_KEYS, FAST, LOOP, ROOT, Job, assert_same_tensors, error_lines, free_port,
-                      freeze, import_script, load, metrics, ok, python, torchrun)
+from conftest import (BIN, CHECKPOINT_KEYS, FAST, LAUNCHER_FAILED, LOOP, ROOT, Job, assert_same_tensors, error_lines,
+                      free_port, freeze, import_script, load, metrics, ok, python, torchrun)
 from test_bad_input import assert_one_clear_line
 from test_distributed import val_line
 
@@ -96,6 +96,7 @@ def test_a_signal_to_horovodrun_ends_in_the_preemption_checkpoint_with_loader_wo
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.send_signal(signum)
     job.finish(timeout=120)
+    assert job.returncode == (LAUNCHER_FAILED if signum == signal.SIGTERM else -signum), job.output
     ckpt = load(tmp_path / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["world_size"]) == (0, 2) and 0 < ckpt["step"] < 12, job.output
     if signum == signal.SIGTERM:

@@ -4,10 +4,12 @@ see different files: a problem only one node has is reported by that node, ranks
 checkpoints stop with one line on each node, and two nodes train exactly as two processes on one."""
 import re
 import shutil
+import time
 
 import pytest
 
-from conftest import EPOCHS, FAST, RESUME, ROOT, assert_same_run, error_lines, ok, two_nodes
+from conftest import (EPOCHS, FAST, LOOP, RESUME, ROOT, TORCHRUN_CMD, Job, assert_same_loop, assert_same_run,
+                      error_lines, free_port, metrics, ok, two_nodes)
 
 
 def test_two_nodes_train_exactly_as_two_processes_on_one(image_data, tmp_path, uninterrupted):
@@ -52,3 +54,56 @@ def test_ranks_that_find_different_checkpoints_stop_with_one_line_per_node(image
             f"none): --output-dir and --resume must be on a filesystem that every node shares and sees up to date"
         ], job.output
     assert not (tmp_path / "out1" / "checkpoint.pth.tar").exists()
+
+
+def elastic_node(endpoint, data, out, host=False):
+    """One node of an elastic job as the README starts it (1 to 2 nodes, up to 3 restarts), training with LOOP's
+    flags into the shared `out`. host: this node serves the rendezvous (on real hosts, the one the endpoint names).
+    last_call_timeout: how long a rendezvous waits for more nodes once it has enough (torchrun's default: 30 s)."""
+    return Job([*TORCHRUN_CMD, "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic", f"--rdzv-conf=is_host={host:d},last_call_timeout=3",
+                ROOT / "distributed.py", data, *LOOP, "-p", "1", "--resume", "auto", "--output-dir", out],
+               env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+def wait_for_line_in_either(jobs, text, timeout=180):
+    """The job (of several) whose output shows `text` first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for job in jobs:
+            if job.read(time.time() + 0.1, until=lambda line: text in line):
+                return job
+    jobs[0].give_up(f"never saw {text!r} within {timeout}s:\n{''.join(jobs[1].lines)}")
+
+
+def assert_finished_as_the_reference(survivor, out, reference, resized):
+    """The job ends once, exit 0, with no wait at an exit barrier; the run has every epoch and the weights of a run at
+    the reference's world size to float tolerance (another world size sums the gradients in another order)."""
+    ok(survivor, timeout=240)
+    assert re.search(rf"resumed from .* \(epoch 0, step \d+\), world size {resized}: the same samples", survivor.output)
+    assert [row["epoch"] for row in metrics(out)] == [0]
+    assert_same_loop(out, reference, exact=False)
+
+
+def test_a_node_lost_mid_epoch_leaves_the_other_to_finish_at_world_size_1(image_data, tmp_path, loop_reference):
+    """Node 1's agent killed with -9 (power lost, the node taken back): its training process saves with the other at
+    one step (PR_SET_PDEATHSIG: SIGTERM) and both exit 75; node 0's agent restarts its process, alone now."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    node0, node1 = (elastic_node(endpoint, image_data, tmp_path, host=node == 0) for node in (0, 1))
+    rank0 = wait_for_line_in_either([node0, node1], "world size 2,")
+    rank0.wait_for_line("Epoch 0 [ 3/12]")
+    node1.proc.kill()
+    node1.finish(timeout=60)  # its training process is gone too (Job.finish checks)
+    assert_finished_as_the_reference(node0, tmp_path, loop_reference, "2 -> 1")
+    assert "preempted: saved" in rank0.output
+
+
+def test_a_node_joining_mid_epoch_makes_both_go_on_at_world_size_2(image_data, tmp_path, loop_reference):
+    """Node 1 starts while node 0 trains alone: node 0's agent stops its process, which saves, and both nodes' agents
+    start theirs at world size 2, which resume from there."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    node0 = elastic_node(endpoint, image_data, tmp_path, host=True)
+    node0.wait_for_line("Epoch 0 [ 3/12]")
+    node1 = elastic_node(endpoint, image_data, tmp_path)
+    assert_finished_as_the_reference(node0, tmp_path, loop_reference, "1 -> 2")
+    ok(node1)

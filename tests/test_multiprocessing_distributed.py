@@ -68,7 +68,7 @@ def test_a_killed_parent_leaves_no_process_behind_and_a_checkpoint(image_data, t
     job = spawn(SCRIPT, 2, image_data, *FAST, "-j", "1", "-p", "1", "--epochs", "3", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.kill()
-    assert_preempted(job, tmp_path, launcher_stopped=True)
+    assert_preempted(job, tmp_path, code=-signal.SIGKILL)
 
 
 def test_python_without_nprocs_runs_one_process_on_cpu(image_data, tmp_path):

@@ -8,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import (assert_preempted, assert_same_run, load, metrics, ok, python, spawn, torchrun)
+from conftest import (LAUNCHER_FAILED, assert_preempted, assert_same_run, load, metrics, ok, python, spawn, torchrun)
 from test_bad_input import assert_one_clear_line
 
 # the user's module: nothing from torchvision, no Sequential or ModuleList (FSDP shards it by its layers)
@@ -316,7 +316,7 @@ def test_sigterm_to_torchrun_mid_epoch_then_resume_auto_is_the_uninterrupted_run
     job = torchrun(project / "distributed.py", 2, *TABLE, "--epochs", EPOCHS, "--output-dir", tmp_path, cwd=project)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.send_signal(signal.SIGTERM)
-    step = assert_preempted(job, tmp_path, launcher_stopped=True)
+    step = assert_preempted(job, tmp_path, code=LAUNCHER_FAILED)
     resumed = ok(torchrun(project / "distributed.py", 2, *TABLE, "--epochs", EPOCHS, "--resume", "auto",
                           "--output-dir", tmp_path, cwd=project))
     assert f"(epoch 0, step {step})" in resumed.output

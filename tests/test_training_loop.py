@@ -12,7 +12,7 @@ import torch
 import torchvision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import (FAST, LOOP, NO_BN, RESUME, assert_preempted, assert_same_loop, assert_same_run,
+from conftest import (FAST, LAUNCHER_FAILED, LOOP, NO_BN, RESUME, assert_preempted, assert_same_loop, assert_same_run,
                       assert_same_tensors, import_script, load, metrics, ok, python, spawn, torchrun)
 from test_distributed import val_line
 
@@ -203,7 +203,7 @@ def test_a_preempted_run_with_every_loop_flag_resumes_bit_for_bit(image_data, tm
     job = torchrun(SCRIPT, 2, *args, "--output-dir", tmp_path / "cut")
     job.wait_for_line("Epoch 0 [ 2/12]")
     job.process_of_rank(1).send_signal(signal.SIGTERM)
-    step = assert_preempted(job, tmp_path / "cut")
+    step = assert_preempted(job, tmp_path / "cut", code=LAUNCHER_FAILED)
     resumed = ok(torchrun(SCRIPT, 2, *args, "--resume", "auto", "--output-dir", tmp_path / "cut"))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path / "cut", tmp_path / "whole", epochs=2)

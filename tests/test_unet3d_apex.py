@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import OUTPUT_FILES, import_script, load, metrics, ok, python, torchrun
+from conftest import LAUNCHER_FAILED, OUTPUT_FILES, import_script, load, metrics, ok, python, torchrun
 from test_bad_input import broken_copy
 
 SCRIPT = "unet3d_apex.py"
@@ -159,7 +159,8 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(npy_data, tmp_path, un
     job = torchrun(SCRIPT, 2, npy_data, *NPY, "-p", "1", "--epochs", "2", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [1/6]")
     job.process_of_rank(1).send_signal(signal.SIGTERM)  # one rank only: the others must agree to stop with it
-    ok(job, timeout=120)
+    job.finish(timeout=120)
+    assert job.returncode == LAUNCHER_FAILED and "exitcode  : 75" in job.output, job.output
     stop = re.search(r"preempted: saved .* (at epoch 0 step (\d+)|after epoch 0);", job.output)
     assert stop, job.output
     ckpt = load(tmp_path / "checkpoint.pth.tar")
