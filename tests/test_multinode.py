@@ -4,7 +4,9 @@ see different files: a problem only one node has is reported by that node, ranks
 checkpoints stop with one line on each node, and two nodes train exactly as two processes on one."""
 import re
 import shutil
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +68,12 @@ def elastic_node(endpoint, data, out, host=False):
                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
+def pending_signals(process):
+    """The signals sent to `process` and not yet handled (it is stopped, say), as a bit mask: 1 << (signum - 1)."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return int(re.search(r"^ShdPnd:\s*([0-9a-f]+)$", status, re.M)[1], 16)
+
+
 def wait_for_line_in_either(jobs, text, timeout=180):
     """The job (of several) whose output shows `text` first."""
     deadline = time.time() + timeout
@@ -78,32 +86,49 @@ def wait_for_line_in_either(jobs, text, timeout=180):
 
 def assert_finished_as_the_reference(survivor, out, reference, resized):
     """The job ends once, exit 0, with no wait at an exit barrier; the run has every epoch and the weights of a run at
-    the reference's world size to float tolerance (another world size sums the gradients in another order)."""
+    the reference's world size to float tolerance (another world size sums the gradients in another order).
+    resized: what the resumed run's line says ("2 -> 1"), None when nothing could be saved to resume from."""
     ok(survivor, timeout=240)
-    assert re.search(rf"resumed from .* \(epoch 0, step \d+\), world size {resized}: the same samples", survivor.output)
+    resumed = re.search(r"resumed from .*\(epoch 0, step \d+\), world size (\d -> \d): the same", survivor.output)
+    assert (resumed and resumed[1]) == resized, survivor.output
     assert [row["epoch"] for row in metrics(out)] == [0]
     assert_same_loop(out, reference, exact=False)
 
 
-def test_a_node_lost_mid_epoch_leaves_the_other_to_finish_at_world_size_1(image_data, tmp_path, loop_reference):
-    """Node 1's agent killed with -9 (power lost, the node taken back): its training process saves with the other at
-    one step (PR_SET_PDEATHSIG: SIGTERM) and both exit 75; node 0's agent restarts its process, alone now."""
+@pytest.mark.parametrize("lost", ["agent", "node"])
+def test_a_node_lost_mid_epoch_leaves_the_other_to_finish_at_world_size_1(lost, image_data, tmp_path, loop_reference):
+    """agent: node 1's torchrun killed with -9 (the scheduler taking the node back): its training process saves with
+    the other at one step (PR_SET_PDEATHSIG: SIGTERM) and both exit 75; node 0's agent restarts its process, alone
+    now, from that step. node: node 1 gone with every process (power lost): node 0's process exits 2 (a peer
+    ended) and is restarted alone, from the last checkpoint (none in this one-epoch run: from the start)."""
     endpoint = f"127.0.0.1:{free_port()}"
     node0, node1 = (elastic_node(endpoint, image_data, tmp_path, host=node == 0) for node in (0, 1))
     rank0 = wait_for_line_in_either([node0, node1], "world size 2,")
     rank0.wait_for_line("Epoch 0 [ 3/12]")
-    node1.proc.kill()
-    node1.finish(timeout=60)  # its training process is gone too (Job.finish checks)
-    assert_finished_as_the_reference(node0, tmp_path, loop_reference, "2 -> 1")
-    assert "preempted: saved" in rank0.output
+    if lost == "agent":
+        node1.proc.kill()
+        node1.finish(timeout=60)  # its training process is gone too (Job.finish checks)
+    else:
+        node1.kill()
+    assert_finished_as_the_reference(node0, tmp_path, loop_reference, "2 -> 1" if lost == "agent" else None)
+    assert ("preempted: saved" in rank0.output) == (lost == "agent"), rank0.output
+    assert f"failed (exitcode: {75 if lost == 'agent' else 2})" in node0.output  # torchrun's line: then it restarts
 
 
 def test_a_node_joining_mid_epoch_makes_both_go_on_at_world_size_2(image_data, tmp_path, loop_reference):
-    """Node 1 starts while node 0 trains alone: node 0's agent stops its process, which saves, and both nodes' agents
-    start theirs at world size 2, which resume from there."""
+    """Node 1 starts while node 0 trains alone: node 0's agent stops its process (SIGTERM), which saves, and both
+    nodes' agents start theirs at world size 2, which resume from there. Node 0's process is held (SIGSTOP) until
+    its agent has asked it to stop, as if its steps took as long as real ones: the join lands mid-epoch."""
     endpoint = f"127.0.0.1:{free_port()}"
     node0 = elastic_node(endpoint, image_data, tmp_path, host=True)
     node0.wait_for_line("Epoch 0 [ 3/12]")
+    trainer = node0.process_of_rank(0)
+    trainer.suspend()
     node1 = elastic_node(endpoint, image_data, tmp_path)
+    deadline = time.time() + 120
+    while not pending_signals(trainer) & 1 << signal.SIGTERM - 1:
+        assert time.time() < deadline, node0.output + "".join(node1.lines)
+        time.sleep(0.2)
+    trainer.resume()
     assert_finished_as_the_reference(node0, tmp_path, loop_reference, "1 -> 2")
     ok(node1)
