@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from conftest import (BIN, EPOCHS, LOOP, OUTPUT_FILES, RESUME, ROOT, Job, assert_same_loop, assert_same_run,
-                      error_lines, import_script, load, metrics, ok, python)
+from conftest import (BIN, EPOCHS, LOOP, OUTPUT_FILES, RESUME, ROOT, Job, assert_preempted, assert_same_loop,
+                      assert_same_run, error_lines, import_script, load, metrics, ok, python)
 
 # one cluster for the whole module, and its tasks are found by that cluster's config: under pytest-xdist these tests
 # run on one worker, one after another (a test waits for its job's tasks to end, and may kill any left behind)
@@ -179,7 +179,6 @@ def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
     stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", text)
     assert stop and 3 <= int(stop[1]) < 12, text
     assert f"requeued job {job_id}" in text and "(restart 1)" in text, text
-    assert "task 0: Exited with exit code 75" in text, text  # srun's report of the preempted step
     assert f"(epoch 0, step {stop[1]})" in text, text  # the restart resumed from that step, without --resume
     assert_same_run(out, uninterrupted)
 
@@ -217,6 +216,18 @@ def test_a_failing_task_ends_the_whole_job(way, slurm, image_data, tmp_path):
     started = time.time()
     job.finish(timeout=90)
     assert job.returncode != 0 and time.time() - started < 60, job.output
+
+
+@pytest.mark.parametrize("way", ["one task per process", "one task per node"])
+def test_usr1_to_the_step_saves_and_srun_exits_75(way, slurm, image_data, tmp_path):
+    """What --signal=USR1@120 sends, to an srun outside a batch job (nothing to requeue): srun's exit code says
+    "preempted, resume me" (75), the code of every task."""
+    extra = ["--procs-per-node", "1"] if way == "one task per node" else []
+    job = srun(slurm, ["-N2", "-n2", "-J", "usr1"], image_data, *RESUME, "-j", "2", "--epochs", "3", *extra,
+               "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    slurm_command(slurm, "scancel", "--signal=USR1", "--name=usr1", check=True)
+    assert_preempted(job, tmp_path)
 
 
 @pytest.mark.parametrize("way", ["one task per process", "one task per node"])
