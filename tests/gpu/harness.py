@@ -21,7 +21,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, RESUME, ROOT, Job, error_lines, free_port, load, metrics, python, spawn, torchrun
+from conftest import (BIN, LAUNCHER_FAILED, PREEMPTED, RESUME, ROOT, Job, error_lines, free_port, load, metrics, python,
+                      spawn, torchrun)
 
 ON_CPU = os.environ.get("GPU_SUITE_ON_CPU") == "1"
 if ON_CPU:  # this process (the in-process model steps) and every launch see no GPU
@@ -199,6 +200,12 @@ def signal_target(script, job):
     if script == HOROVOD:
         return worker(job, 0, "HOROVOD_RANK")
     return job.proc
+
+
+def preempted_code(script):
+    """The exit code of a preempted run of `script`: torchrun's and horovodrun's for any process that exited
+    non-zero (1); the other launchers pass on the scripts' own (75)."""
+    return LAUNCHER_FAILED if script in (*TORCHRUN_SCRIPTS, HOROVOD) else PREEMPTED
 
 
 def preempt(job, target, line):

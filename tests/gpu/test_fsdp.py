@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import EPOCHS, FAST, NO_BN, RESUME, assert_same_tensors, load, metrics, ok, torchrun
+from conftest import EPOCHS, FAST, LAUNCHER_FAILED, NO_BN, RESUME, assert_same_tensors, load, metrics, ok, torchrun
 
 from .harness import DEVICE, FP16, NCCL, ON_CPU, assert_trains, cuda_only, made_once, preempt, two_gpus, worker
 
@@ -53,6 +53,7 @@ def test_sigterm_then_resume_auto_equals_the_uninterrupted_run(fsdp_reference, i
     job = fsdp(1, tmp_path, image_data, *RESUME, "--opt", "adamw", "--epochs", EPOCHS)
     preempt(job, worker(job), f"{FSDP}: world size")
     job.finish()
+    assert job.returncode == LAUNCHER_FAILED, job.output
     assert re.search(r"preempted: saved .*checkpoint.dcp at epoch 0 step \d+;", job.output), job.output
     ok(fsdp(1, tmp_path, image_data, *RESUME, "--opt", "adamw", "--epochs", EPOCHS, "--resume", "auto"))
     assert_same_tensors(load(export(tmp_path))["state_dict"], load(export(fsdp_reference[1]))["state_dict"])

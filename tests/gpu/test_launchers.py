@@ -10,7 +10,8 @@ import torch
 from conftest import EPOCHS, assert_learned, assert_preempted, assert_same_run, metrics, ok
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HOROVOD, NCCL, ON_CPU, SLURM, SPAWN, UNET, args_of,
-                      assert_scaler, checkpoint_of, horovod_missing, launch, preempt, preempt_line, signal_target)
+                      assert_scaler, checkpoint_of, horovod_missing, launch, preempt, preempt_line, preempted_code,
+                      signal_target)
 
 SCRIPTS = [DISTRIBUTED, SPAWN, DATAPARALLEL, APEX, HOROVOD, SLURM, UNET]
 # what each one says about where it runs
@@ -70,7 +71,7 @@ def test_sigterm_mid_epoch_then_resume_auto_equals_the_uninterrupted_run(script,
     args = [*([] if script == UNET else [image_data]), *args_of(script), "--epochs", EPOCHS, "--output-dir", tmp_path]
     job = launch(script, *args)
     preempt(job, signal_target(script, job), preempt_line(script))
-    step = assert_preempted(job, tmp_path)
+    step = assert_preempted(job, tmp_path, code=preempted_code(script))
     resumed = ok(launch(script, *args, "--resume", "auto"))
     assert re.search(rf"resumed from .*checkpoint.pth.tar \(epoch 0, step {step}\)", resumed.output), resumed.output
     assert_same_run(tmp_path, uninterrupted_on_gpu(script)[1])
