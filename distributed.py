@@ -63,6 +63,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, d
 from torch.utils.tensorboard import SummaryWriter  # [logs]
 from torchvision.transforms import v2
 
+try:  # JPEGs: libjpeg-turbo through torchcodec, for which torchvision deprecates its own decoders; else PIL
+    from torchcodec.decoders import decode_jpeg
+    JPEG_DECODER = "torchcodec"
+except (ImportError, OSError, RuntimeError) as e:  # not installed, or its library does not load
+    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({e}); pip install torchcodec"
+
 
 # =============================================================================================
 # Part 1, the lesson: what every copier keeps. The command line, the two functions to edit for your own model
@@ -407,7 +413,8 @@ def main_worker(args, local_index=None):
     group = start_process_group(args, rank, world_size, device, log)
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
-        f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples")
+        f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples"
+        + (f", JPEGs decoded by {JPEG_DECODER}" if getattr(train_set, "loader", None) is load_image else ""))
     set_tf32(args, device, log)  # [tf32]
 
     model = prepare_model(model, args, device, log)
@@ -676,13 +683,14 @@ NORMALIZE = {3: ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 1: ((0.449,), (0
 
 
 def load_image(path):
-    """The image as an RGB uint8 CxHxW tensor. JPEGs go through libjpeg-turbo (torchvision.io); what it
-    cannot take (PNG, a PNG named .JPEG, CMYK, a file cut short: no end marker) goes through PIL."""
+    """The image as an RGB uint8 CxHxW tensor. JPEGs go through torchcodec; what it cannot take (a PNG named .JPEG,
+    a file cut short) and every JPEG without it go through PIL: the same libjpeg-turbo, the same pixels (tested)."""
     try:
-        data = torchvision.io.read_file(path)
-        if data[:2].tolist() == [0xFF, 0xD8] and data[-2:].tolist() == [0xFF, 0xD9]:
+        with open(path, "rb") as f:
+            data = f.read()
+        if decode_jpeg and data[:2] == b"\xff\xd8":
             with contextlib.suppress(RuntimeError):
-                return torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB)
+                return decode_jpeg(data)
         with Image.open(path) as img:
             return v2.functional.pil_to_tensor(img.convert("RGB"))
     except (OSError, SyntaxError, ValueError, RuntimeError) as e:

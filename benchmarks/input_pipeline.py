@@ -1,4 +1,4 @@
-"""Input pipeline throughput on one core, three pipelines side by side on the same JPEGs.
+"""Input pipeline throughput on one core, pipelines and JPEG decoders side by side on the same JPEGs.
 
     python benchmarks/input_pipeline.py                  # generates ImageNet-sized test JPEGs
     python benchmarks/input_pipeline.py /data/imagenet/train --limit 500   # or real photos
@@ -7,11 +7,13 @@ Each pipeline does what a loader worker does with a batch of files: for (a) and 
 augmenting every image, then collating the batch.
 (a) pytorch/examples: PIL decode, RandomResizedCrop, flip, ToTensor, Normalize (float out of the
     worker), default_collate
-(b) this repository: distributed.py's load_image (libjpeg-turbo via torchvision.io), train transform
+(b) this repository: distributed.py's load_image (libjpeg-turbo via torchcodec), train transform
     and collate (uint8 out; normalization happens once, on the device)
-(c) decode only, through torchvision.io.decode_jpeg
-Prints img/s for each and the ratios b/a (target >= 1.8) and b/c (target >= 0.7). With --workers N,
-it also times (a) and (b) through a DataLoader with N worker processes, as training runs them.
+(c) decode only, with torchcodec (what load_image uses), (d) with torchvision.io (deprecated), (e) with PIL
+    (what load_image falls back to), each to the same uint8 RGB tensor
+Prints img/s for each and the ratios b/a (target >= 1.8), b/c (target >= 0.7), and torchcodec's over
+the other decoders, c/d and c/e. With --workers N, it also times (a) and (b) through a DataLoader with
+N worker processes, as training runs them.
 """
 import argparse
 import functools
@@ -27,6 +29,7 @@ import torchvision
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision import transforms
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 32
@@ -76,10 +79,15 @@ def repository_pipeline(script):
     return (lambda path: train_tf(script.load_image(path))), script.collate
 
 
-def decode_only():
-    def load(path):
-        return torchvision.io.decode_jpeg(torchvision.io.read_file(str(path)), mode=torchvision.io.ImageReadMode.RGB)
-    return load, None
+def decode_only(decoder):
+    """Reads and decodes a file to a uint8 RGB CxHxW tensor, nothing else."""
+    if decoder == "torchcodec":
+        from torchcodec.decoders import decode_jpeg
+        return (lambda path: decode_jpeg(Path(path).read_bytes())), None
+    if decoder == "torchvision.io":
+        mode = torchvision.io.ImageReadMode.RGB
+        return (lambda path: torchvision.io.decode_jpeg(torchvision.io.read_file(str(path)), mode=mode)), None
+    return (lambda path: pil_to_tensor(Image.open(path).convert("RGB"))), None
 
 
 def best_rate(one_pass, images, seconds):
@@ -156,11 +164,14 @@ def main():
         print(f"{len(paths)} JPEGs, mean {kb:.0f} kB, one core (torch threads 1)")
         pipelines = {"a pytorch/examples": examples_pipeline(),
                      "b this repository": repository_pipeline(reference_script()),
-                     "c decode only": decode_only()}
-        a, b, c = compare({name: functools.partial(images_per_second, pipeline)
-                           for name, pipeline in pipelines.items()},
-                          paths, args)
+                     "c decode torchcodec": decode_only("torchcodec"),
+                     "d decode tv.io": decode_only("torchvision.io"),
+                     "e decode PIL": decode_only("PIL")}
+        a, b, c, d, e = compare({name: functools.partial(images_per_second, pipeline)
+                                 for name, pipeline in pipelines.items()},
+                                paths, args)
         print(f"b / a = {b / a:.2f} (target >= 1.8)   b / c = {b / c:.2f} (target >= 0.7)")
+        print(f"torchcodec: c / d = {c / d:.2f} of torchvision.io's speed, c / e = {c / e:.2f} of PIL's")
         if args.workers:
             print(f"through a DataLoader with {args.workers} worker(s):")
             a, b = compare({name: functools.partial(loader_images_per_second, pipelines[name])

@@ -11,7 +11,8 @@ from conftest import ROOT, Job, load, ok
 # script and arguments: what each prints when it works
 BENCHMARKS = {
     "input_pipeline.py": (["--limit", "6", "--seconds", "0.2", "--rounds", "1", "--workers", "1"],
-                          r"b / a = [\d.]+ \(target >= 1.8\)   b / c = [\d.]+ \(target >= 0.7\)"
+                          r"b / a = [\d.]+ \(target >= 1.8\)   b / c = [\d.]+ \(target >= 0.7\)\n"
+                          r"torchcodec: c / d = [\d.]+ of torchvision.io's speed, c / e = [\d.]+ of PIL's"
                           r"[\s\S]*DataLoader with 1 worker[\s\S]*\nb / a = [\d.]+\n"),
     "loop_overhead.py": (["--steps", "3", "--rounds", "1"], r"\(2\) this repository.* ms/step  overhead +[-+][\d.]+%"),
     "training_loop.py": (["--allow-cpu", "-a", "resnet18", "--crop-size", "32", "-b", "16", "--steps", "2",

@@ -28,6 +28,7 @@ def trained(image_data, tmp_path_factory):
 def test_two_processes_learn_and_write_outputs_from_rank_0_only(trained):
     job, out = trained
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
+    assert job.output.count("192 train / 101 val samples, JPEGs decoded by torchcodec\n") == 1  # rank 0's line
     assert re.search(r"^Epoch 0 \[ 5/12\] loss [\d.]+ acc1 [\d.]+ lr 0.005 \d+ img/s$", job.output, re.M), job.output
     assert_learned(out, epochs=4)  # one metrics line per epoch: rank 1 wrote nothing
 

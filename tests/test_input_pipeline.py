@@ -1,7 +1,9 @@
-"""The fast input path (libjpeg-turbo through torchvision.io, uint8 tensors through transforms.v2) keeps
-the meaning of the PIL path: every odd file still loads as RGB, and the same seed gives the same crop
-of the same image with the same label."""
+"""The fast input path (libjpeg-turbo through torchcodec, uint8 tensors through transforms.v2) keeps
+the meaning of the PIL path: every kind of file loads as the same RGB pixels with either decoder, and the
+same seed gives the same crop of the same image with the same label."""
 import argparse
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -27,6 +29,9 @@ def photo(height=60, width=80):
 
 ODD_FILES = {  # name: how it is written; all are named .JPEG, as ImageNet's are
     "rgb": lambda p: Image.fromarray(photo()).save(p, format="JPEG", quality=90),
+    "rgb, chroma at full size (4:4:4)": lambda p: Image.fromarray(photo()).save(p, format="JPEG", subsampling=0),
+    "rgb, chroma at half width (4:2:2)": lambda p: Image.fromarray(photo()).save(p, format="JPEG", subsampling=1),
+    "rgb, progressive": lambda p: Image.fromarray(photo()).save(p, format="JPEG", progressive=True),
     "grayscale": lambda p: Image.fromarray(photo()).convert("L").save(p, format="JPEG", quality=90),
     "cmyk": lambda p: Image.fromarray(photo()).convert("CMYK").save(p, format="JPEG", quality=90),
     "png named .JPEG": lambda p: Image.fromarray(photo()).save(p, format="PNG"),
@@ -34,15 +39,43 @@ ODD_FILES = {  # name: how it is written; all are named .JPEG, as ImageNet's are
 }
 
 
+@pytest.mark.parametrize("decoder", ["torchcodec", "PIL"])
 @pytest.mark.parametrize("kind", ODD_FILES)
-def test_every_kind_of_file_loads_as_rgb_like_pil(kind, script, tmp_path):
+def test_every_kind_of_file_loads_as_the_same_rgb_pixels_with_either_decoder(kind, decoder, script, tmp_path,
+                                                                               monkeypatch):
+    """Both decode JPEGs with libjpeg-turbo and its default (accurate) settings: not a pixel differs, so results do
+    not depend on which one a machine has. torchcodec is what scripts/setup.sh installs: it must be the one here."""
+    assert script.JPEG_DECODER == "torchcodec"
+    if decoder == "PIL":
+        monkeypatch.setattr(script, "decode_jpeg", None)
     path = tmp_path / "image.JPEG"
     ODD_FILES[kind](path)
     image = script.load_image(str(path))
     with Image.open(path) as img:
         expected = pil_to_tensor(img.convert("RGB"))
-    assert image.dtype == torch.uint8 and image.shape == (3, 60, 80)
-    assert (image.int() - expected.int()).abs().float().mean() < 1.0  # the same decoder underneath
+    assert image.dtype == torch.uint8 and image.shape == (3, 60, 80) and torch.equal(image, expected)
+
+
+class Unloadable(types.ModuleType):
+    """A module whose every name raises `error`, as a library built for another torch does when it loads."""
+    def __init__(self, error):
+        super().__init__("torchcodec.decoders")
+        self.error = error
+
+    def __getattr__(self, name):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [None, OSError("libtorchcodec_core8.so: cannot open shared object file"),
+                                   RuntimeError("libtorchcodec_core8.so: undefined symbol: _ZN3c10")])
+def test_without_torchcodec_jpegs_go_to_pil_and_the_log_says_why(error, monkeypatch):
+    """Not installed (None: ImportError), or a build for another torch whose library does not load: PIL decodes
+    every JPEG, and rank 0's first line says so (JPEG_DECODER), why, and what to install."""
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", error and Unloadable(error))  # None: not installed
+    module = import_script("distributed.py")
+    why = error or "import of torchcodec.decoders halted; None in sys.modules"
+    assert module.decode_jpeg is None
+    assert module.JPEG_DECODER == f"PIL, slower: torchcodec did not load ({why}); pip install torchcodec"
 
 
 def test_the_same_seed_gives_the_same_crop_and_label_as_the_pil_path(script, image_data):
