@@ -107,6 +107,7 @@ def parse_args(argv=None):
         help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
+    add("--gpu-decode", action="store_true", help="decode (nvJPEG) and crop JPEGs on the GPU")  # [gpu-decode]
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")
@@ -832,6 +833,9 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
     atexit.register(end_loader_workers)
     train_data = SeededSamples(train_set)
+    if args.gpu_decode:  # [gpu-decode]
+        train_data, val_set = DeviceDecoded(train_set), DeviceDecoded(val_set)  # [gpu-decode]
+        loader_args.update(collate_fn=DeviceDecoded.collate)  # [gpu-decode]
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
     val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
@@ -931,6 +935,8 @@ class Prefetcher:
     def _to_device(self, batch):
         images, target = batch
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            if isinstance(getattr(self.loader, "dataset", None), DeviceDecoded):  # [gpu-decode]
+                images = self.loader.dataset.decode(images, self.device)  # [gpu-decode]
             image = images.dtype == torch.uint8
             images = images.to(self.device, non_blocking=True)
             target = target.to(self.device, non_blocking=True).long()  # any integer labels: cross_entropy's int64
@@ -1396,7 +1402,7 @@ class RandomResizedCropFlip:
         return (height - h) // 2, (width - w) // 2, h, w, u[22] < 0.5
 
     def __call__(self, image):
-        fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
+        fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3 and not image.is_cuda
         top, left, height, width, flip = self.params(*(image.shape[1:] if fast else v2.functional.get_size(image)))
         if fast:
             crop = image[:, top:top + height, left:left + width].unsqueeze(0)
@@ -1406,6 +1412,47 @@ class RandomResizedCropFlip:
             image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
         return v2.functional.horizontal_flip(image) if flip else image
 # endregion [fast-crop]
+# region [gpu-decode]: --gpu-decode: loader workers only read JPEG files; the training process decodes and crops them
+class DeviceDecoded(Dataset):
+    """An image folder's samples as their files' bytes: decode() turns a batch of them into the images the folder's
+    transform makes, decoded (torchcodec: nvJPEG on a GPU, a batch per call) and cut on the device. The keys are
+    the samplers': TrainSampler's (index, seed) pairs, whose seed draws the crop as SeededSamples does, or indices."""
+
+    def __init__(self, dataset):
+        if decode_jpeg is None:
+            raise UserError(f"--gpu-decode needs torchcodec; JPEGs are decoded by {JPEG_DECODER}")
+        if getattr(dataset, "loader", None) is not load_image:
+            raise UserError("--gpu-decode decodes image folders (DATA/train, DATA/val); this data is not one: leave "
+                            "--gpu-decode out")
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, seed = key if isinstance(key, tuple) else (key, 0)
+        path, label = self.dataset.samples[index]
+        with open(path, "rb") as f:
+            return (torch.frombuffer(bytearray(f.read()), dtype=torch.uint8), seed, path), label
+
+    @staticmethod
+    def collate(samples):
+        files, labels = zip(*samples)
+        return tuple(map(list, zip(*files))), torch.tensor(labels)
+
+    def decode(self, batch, device):
+        data, seeds, paths = batch
+        try:
+            images = decode_jpeg(data, device=device)
+        except RuntimeError:  # a file it cannot take (a PNG named .JPEG, say) in the batch: load_image decodes it
+            images = [load_image(path).to(device) for path in paths]
+        crops = []
+        for image, seed in zip(images, seeds):
+            with torch.random.fork_rng(devices=[]):  # the CPU's generator draws crops, the GPU's (dropout) goes on
+                torch.default_generator.manual_seed(seed)
+                crops.append(self.dataset.transform(image))
+        return torch.stack(crops)
+# endregion [gpu-decode]
 # region [spec]: --arch and --dataset MODULE:FUNCTION: your own model and data without editing this file
 def load_spec(spec, flag):
     """--arch or --dataset MODULE:FUNCTION: the function, imported from the current directory or PYTHONPATH."""

@@ -14,14 +14,17 @@ Defaults: resnet50 at 224 px, batch 256, bf16 autocast, channels_last, the first
     ToTensor and Normalize in the workers, default collate, pinned memory, `.to(device,
     non_blocking=True)`, `loss.item()` every step (its AverageMeter), with the same model, batch,
     autocast, channels_last and cudnn autotuning as (b).
-(b) and (c) run once per --workers count: default every core (os.cpu_count()) and 4, a GPU's share of
+(d) as (b), with --gpu-decode: the loader workers only read the files; the training process decodes
+    them (nvJPEG, a batch per call) and crops them on the GPU.
+(b), (c) and (d) run once per --workers count: default every core (os.cpu_count()) and 4, a GPU's share of
 a node short of cores. Each is a fresh process that trains two epochs of -p + --steps steps and times
 the second after its first -p steps: the first epoch takes the warm-up (worker start, cudnn autotuning,
 first reads), and the second starts from empty loader queues, so no batches made ahead during the slow
 first steps inflate the timed ones. (b) is timed from distributed.py's progress lines (each gives img/s
 since the previous one, after a GPU sync), (c) likewise, and (a) times --steps steps after its own
 warm-up: every run times --steps x batch images. Prints img/s for each, the ratios b/a (target >= 0.9
-with all cores) and b/c (target >= 1.3 with 4 workers), and the machine.
+with all cores), b/c (target >= 1.3 with 4 workers) and d/b (what decoding on the GPU gains), and the
+machine.
 
 The train set holds (-p + --steps) x batch images in 10 classes (the class count of --benchmark's
 synthetic data, so that all three train the same model): links to --jpegs distinct files, each read
@@ -279,11 +282,12 @@ def run_benchmark(args, tmp):
     return {"img_per_s": float(found[1]), "images": args.steps * args.batch_size, "epoch_img_per_s": None}
 
 
-def run_distributed(args, data, workers, tmp):
-    """(b): two epochs; img/s of the second after its first -p steps, from the progress lines, and of the
-    whole second epoch, from metrics.jsonl."""
-    out_dir = Path(tmp) / f"out-b{workers}"
-    out = launch(distributed_cmd(args, data, "-j", workers, "--epochs", 2, "--output-dir", out_dir), args.timeout)
+def run_distributed(args, data, workers, tmp, *extra):
+    """(b), and (d) with extra ["--gpu-decode"]: two epochs; img/s of the second after its first -p steps, from the
+    progress lines, and of the whole second epoch, from metrics.jsonl."""
+    out_dir = Path(tmp) / f"out-{workers}{''.join(extra)}"
+    out = launch(distributed_cmd(args, data, "-j", workers, "--epochs", 2, "--output-dir", out_dir, *extra),
+                 args.timeout)
     total = args.print_freq + args.steps
     points = [(int(m[2]), int(m[3]), int(m[4])) for m in PROGRESS.finditer(out) if m[1] == "1"]
     steps = [step for step, _, _ in points]
@@ -350,7 +354,9 @@ def main():
         runs = [("a", None, "distributed.py --benchmark (no input pipeline)", lambda: run_benchmark(args, tmp))]
         for w in args.workers:
             runs += [("b", w, "distributed.py on the JPEGs", lambda w=w: run_distributed(args, data, w, tmp)),
-                     ("c", w, "pytorch/examples way", lambda w=w: run_examples(args, data, w))]
+                     ("c", w, "pytorch/examples way", lambda w=w: run_examples(args, data, w)),
+                     ("d", w, "distributed.py --gpu-decode on the JPEGs",
+                      lambda w=w: run_distributed(args, data, w, tmp, "--gpu-decode"))]
         for key, workers, name, measure in runs:
             print(f"running ({key}) {name}" + ("" if workers is None else f", {workers} loader workers") + " ...",
                   flush=True)
@@ -358,18 +364,20 @@ def main():
 
     a = rows[0]["img_per_s"]
     rate = {(r["run"], r["workers"]): r["img_per_s"] for r in rows}
-    ratios = [{"workers": w, "b/a": rate["b", w] / a, "b/c": rate["b", w] / rate["c", w]} for w in args.workers]
+    ratios = [{"workers": w, "b/a": rate["b", w] / a, "b/c": rate["b", w] / rate["c", w],
+               "d/b": rate["d", w] / rate["b", w]} for w in args.workers]
     print(f"\n{'run':52} {'workers':>7} {'img/s':>8} {'whole epoch':>11}")  # img/s of (b)'s and (c)'s 2nd epoch
     for r in rows:
         whole = "-" if r["epoch_img_per_s"] is None else f"{r['epoch_img_per_s']:.0f}"
         workers = "-" if r["workers"] is None else r["workers"]
         print(f"({r['run']}) {r['name']:48} {workers:>7} {r['img_per_s']:>8.0f} {whole:>11}")
-    print(f"\n{'workers':>7} {'b/a':>6} {'b/c':>6}")
+    print(f"\n{'workers':>7} {'b/a':>6} {'b/c':>6} {'d/b':>6}")
     for r in ratios:
-        print(f"{r['workers']:>7} {r['b/a']:>6.2f} {r['b/c']:>6.2f}")
+        print(f"{r['workers']:>7} {r['b/a']:>6.2f} {r['b/c']:>6.2f} {r['d/b']:>6.2f}")
     most, fewest = ratios[args.workers.index(max(args.workers))], ratios[args.workers.index(min(args.workers))]
     print(f"b / a = {most['b/a']:.2f} with {most['workers']} workers (target >= 0.9 with all {os.cpu_count()} cores)")
     print(f"b / c = {fewest['b/c']:.2f} with {fewest['workers']} workers (target >= 1.3 with 4)")
+    print(f"d / b = {fewest['d/b']:.2f} with {fewest['workers']} workers (decoding on the GPU over the workers')")
     if args.out:
         settings = {k: v for k, v in vars(args).items()
                     if k not in ("examples_run", "out", "allow_cpu", "images", "jpegs")}

@@ -33,7 +33,7 @@ NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
 FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark", "memory_use", "PREEMPTED",
             "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop", "set_tf32",
-            "SyntheticImages", "RandomResizedCropFlip", "load_spec", "call_spec", "ImageCrops",
+            "SyntheticImages", "RandomResizedCropFlip", "DeviceDecoded", "load_spec", "call_spec", "ImageCrops",
             "open_writer", "write_epoch"]
 SAFETY = ["check_args", "FOREIGN_FLAGS", "add_foreign_flags", "check_run", "check_datasets", "check_model", "check_fit",
           "check_shared_gpus", "explain_failed_save", "check_same_checkpoint", "check_items", "check_finite",
@@ -68,7 +68,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus"},
                                   "check_model", "build_model", "param_groups", "new_optimizer",
                                   "lr_factor", "check_run", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
-                                  "NORMALIZE", "SyntheticImages", "load_image",
+                                  "NORMALIZE", "SyntheticImages", "load_image", "DeviceDecoded",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
                                   "Metrics", "benchmark",
                                   "memory_use",

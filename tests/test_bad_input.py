@@ -47,6 +47,9 @@ CASES = {
     "a value out of its range, on two ranks": (2, lambda d, t: [d, "-p", "0"],
                                                 r"argument -p/--print-freq: 0 is out of range: give an integer >= 1"),
     "epochs 0 without -e": (1, lambda d, t: [d, "--epochs", "0"], r"--epochs 0 trains nothing: give at least 1"),
+    "gpu decode of data that is not an image folder": (1, lambda d, t: ["--dummy", "--gpu-decode"],
+                                                       r"--gpu-decode decodes image folders \(DATA/train, DATA/val\); "
+                                                       r"this data is not one: leave --gpu-decode out"),
     "missing data folder": (1, lambda d, t: [t / "nowhere"],
                             r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],

@@ -45,20 +45,25 @@ GPU_THROUGHPUT = ROOT / "benchmarks" / "gpu_throughput.py"
 
 def test_gpu_throughput_runs_on_cpu_when_allowed(tmp_path):
     """The whole comparison, (a) distributed.py --benchmark, (b) distributed.py on JPEGs, (c) the
-    pytorch/examples way, on the CPU with tiny settings: every run measures the same images."""
+    pytorch/examples way, (d) (b) with --gpu-decode, on the CPU with tiny settings: every run measures the same
+    images."""
     job = ok(Job([sys.executable, GPU_THROUGHPUT, "--allow-cpu", "-a", "resnet18", "--crop-size", "32", "-b", "4",
                   "--jpegs", "12", "--steps", "2", "-p", "1", "--workers", "1", "--lr", "0.01",
                   "--out", tmp_path / "results.json"]), timeout=300)
     assert re.search(r"\nb / a = [\d.]+ with 1 workers \(target >= 0.9 with all \d+ cores\)\n"
-                     r"b / c = [\d.]+ with 1 workers \(target >= 1.3 with 4\)\n", job.output), job.output
+                     r"b / c = [\d.]+ with 1 workers \(target >= 1.3 with 4\)\n"
+                     r"d / b = [\d.]+ with 1 workers \(decoding on the GPU over the workers'\)\n",
+                     job.output), job.output
     for row in (r"\(a\) distributed.py --benchmark .* - +\d+ +-", r"\(b\) distributed.py on the JPEGs +1 +\d+ +\d+",
-                r"\(c\) pytorch/examples way +1 +\d+ +\d+", r"machine: CPU .* torch .* \d+ CPUs"):
+                r"\(c\) pytorch/examples way +1 +\d+ +\d+", r"\(d\) distributed.py --gpu-decode on the JPEGs +1 +\d+",
+                r"machine: CPU .* torch .* \d+ CPUs"):
         assert re.search(row, job.output), (row, job.output)
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [(r["run"], r["workers"]) for r in results["runs"]] == [("a", None), ("b", 1), ("c", 1)]
+    assert [(r["run"], r["workers"]) for r in results["runs"]] == [("a", None), ("b", 1), ("c", 1), ("d", 1)]
     assert all(r["img_per_s"] > 0 and r["images"] == 2 * 4 for r in results["runs"]), results["runs"]
-    a, b, c = (r["img_per_s"] for r in results["runs"])
-    assert results["ratios"] == [{"workers": 1, "b/a": pytest.approx(b / a), "b/c": pytest.approx(b / c)}]
+    a, b, c, d = (r["img_per_s"] for r in results["runs"])
+    assert results["ratios"] == [{"workers": 1, "b/a": pytest.approx(b / a), "b/c": pytest.approx(b / c),
+                                  "d/b": pytest.approx(d / b)}]
 
 
 def test_gpu_throughput_without_cuda_says_so():

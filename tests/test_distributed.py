@@ -105,6 +105,14 @@ def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninte
     assert_same_run(tmp_path, uninterrupted)
 
 
+def test_gpu_decode_on_the_cpu_gives_the_bits_of_decoding_in_the_loader_workers(image_data, tmp_path, uninterrupted):
+    """--gpu-decode where there is no GPU: the training process decodes and crops on the CPU, with the same decoder
+    and the same crops as the loader workers (-j 2 here) would, so the run is the reference run, bit for bit."""
+    ok(torchrun(SCRIPT, 2, image_data, *RESUME, "-j", "2", "--gpu-decode", "--epochs", EPOCHS,
+                "--output-dir", tmp_path))
+    assert_same_run(tmp_path, uninterrupted)
+
+
 def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image_data, tmp_path, uninterrupted):
     job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
