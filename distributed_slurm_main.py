@@ -551,6 +551,7 @@ def main_worker(args, local_index=None):
     model = build_model(args, num_classes)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own dropout draws
     group = start_process_group(args, rank, world_size, device, log)
+    preemption = Preemption(group)  # [preemption]
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
         f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples"
@@ -565,7 +566,7 @@ def main_worker(args, local_index=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype)
     run.ema = ema  # [ema]
-    run.preemption = Preemption(group)  # [preemption]
+    run.preemption = preemption  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
         moved = "" if args.evaluate or ckpt.get("world_size") == world_size else (  # a job resized, a node lost

@@ -312,6 +312,7 @@ def main_worker(args, local_index=None):
     # before the process group: the loaders fork their workers now, while no thread of gloo's can hold a lock
     train_sampler, train_batches, val_volumes = build_loaders(args, train_set, val_set, rank, world_size, device)
     group = start_process_group(args, rank, world_size, device, log)
+    preemption = Preemption(group)  # [preemption]
     check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))  # [safety]
     local_batch, patch = args.batch_size // world_size, tuple(args.patch_size)
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, 3D U-Net (base "
@@ -324,7 +325,7 @@ def main_worker(args, local_index=None):
     amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(args.milestones), gamma=args.gamma)
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype, model_config(args, train_set.channels))
-    run.preemption = Preemption(group)  # [preemption]
+    run.preemption = preemption  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
         moved = "" if args.evaluate or ckpt.get("world_size") == world_size else (  # a job resized, a node lost

@@ -218,11 +218,11 @@ def preempt(job, target, line):
 
 def preempt_line(script):
     """When to signal a one-process run of `script` so that it stops inside epoch 0, after step 0. A script whose
-    ranks agree on stopping (a process group, even of one; Horovod) stops one step after the signal has arrived:
-    signal it as soon as its handlers are in place, which it says with its first line ("distributed.py: world size
-    ..."), well before its first step, so it stops after step 0. Without a group (DataParallel, a single Slurm task)
-    it stops at the very next step: signal it after the first one."""
-    return "Epoch 0 [ 1/12]" if script in (DATAPARALLEL, SLURM) else f"{script}: world size"
+    ranks agree on stopping (a process group, even of one) stops one step after the signal has arrived: signal it
+    as soon as its handlers are in place, which it says with its first line ("distributed.py: world size ..."), well
+    before its first step, so it stops after step 0. Without a group (DataParallel, a single Slurm task, Horovod
+    with one process) it stops at the very next step: signal it after the first one."""
+    return "Epoch 0 [ 1/12]" if script in (DATAPARALLEL, SLURM, HOROVOD) else f"{script}: world size"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, error_lines, ok, python,
-                      spawn, torchrun)
+from conftest import (EPOCHS, FAST, LAUNCHER_FAILED, RESUME, assert_learned, assert_preempted, assert_same_run,
+                      error_lines, ok, python, spawn, torchrun)
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HALF, NCCL, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
                       assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, made_once, preempt,
@@ -34,7 +34,7 @@ def test_sigterm_on_rank_1_then_resume_auto_equals_the_uninterrupted_run(image_d
     args = [image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path]
     job = torchrun(DISTRIBUTED, 2, *args)
     preempt(job, worker(job, 1), "Epoch 0 [ 1/12]")  # one rank only, once both are training
-    step = assert_preempted(job, tmp_path)
+    step = assert_preempted(job, tmp_path, code=LAUNCHER_FAILED)
     resumed = ok(torchrun(DISTRIBUTED, 2, *args, "--resume", "auto"))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, two_gpu_reference[1])

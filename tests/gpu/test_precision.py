@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, metrics, ok, torchrun
+from conftest import (EPOCHS, FAST, LAUNCHER_FAILED, RESUME, assert_learned, assert_preempted, assert_same_run, metrics,
+                      ok, torchrun)
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, FP16, HALF, HOROVOD, NCCL, ON_CPU, SLURM, SPAWN,
                       assert_scaler, assert_trains, checkpoint_of, horovod_missing, launch, preempt, preempt_line,
@@ -26,7 +27,7 @@ def test_fp16_run_resumes_bit_for_bit_after_sigterm(image_data, tmp_path, fp16_r
     args = [image_data, *RESUME, "--amp", FP16, "--epochs", EPOCHS, "--output-dir", tmp_path]
     job = torchrun(DISTRIBUTED, 1, *args)
     preempt(job, signal_target(DISTRIBUTED, job), preempt_line(DISTRIBUTED))
-    step = assert_preempted(job, tmp_path)
+    step = assert_preempted(job, tmp_path, code=LAUNCHER_FAILED)
     assert_scaler(checkpoint_of(tmp_path), fp16=True)
     resumed = ok(torchrun(DISTRIBUTED, 1, *args, "--resume", "auto"))
     assert f"(epoch 0, step {step})" in resumed.output

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, metrics, ok, python,
-                      two_nodes)
+from conftest import (EPOCHS, FAST, LAUNCHER_FAILED, RESUME, assert_learned, assert_preempted, assert_same_run, metrics,
+                      python, two_nodes)
 
 from .harness import (APEX, DEVICE, DISTRIBUTED, FP16, HALF, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
                       assert_exit_2_same_gpu, assert_multi_rank_run, assert_scaler, cuda_only, finish_all,
@@ -31,8 +31,8 @@ def test_sigterm_on_rank_1_then_resume_auto_equals_the_uninterrupted_run(image_d
     first, second = two_nodes(DISTRIBUTED, *args)
     # one rank only, once both are training: the other must agree to stop at the same step
     preempt(first, worker(second, 1), "Epoch 0 [ 1/12]")
-    step = assert_preempted(first, tmp_path)
-    ok(second)
+    step = assert_preempted(first, tmp_path, code=LAUNCHER_FAILED)
+    assert second.finish().returncode == LAUNCHER_FAILED, second.output
     resumed = ok_all(two_nodes(DISTRIBUTED, *args, "--resume", "auto"))
     assert f"(epoch 0, step {step})" in resumed[0].output, resumed[0].output
     assert_same_run(tmp_path, shared_gpu_reference[1])
