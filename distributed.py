@@ -255,11 +255,12 @@ def start_process_group(args, rank, world_size, device, log):
 
 def end_process_group():
     """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it). Nothing else may
-    hold it: the preemption handlers go first, a collection frees what reference cycles keep (FSDP's weights, whose
-    device mesh holds the group: 4 aborts in 48 runs without it), and torch._dynamo is imported at the top (torch
-    2.14 keeps a group that exists when it is first imported)."""
+    hold it: the preemption handlers go first (the run is over: a stop request is ignored from now on, so a rank that
+    srun --kill-on-bad-exit signals once a peer exits 75 exits 75 too), a collection frees what reference cycles keep
+    (FSDP's weights, whose device mesh holds the group: 4 aborts in 48 runs without it), and torch._dynamo is imported
+    at the top (torch 2.14 keeps a group that exists when it is first imported)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_IGN)
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

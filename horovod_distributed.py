@@ -259,9 +259,10 @@ def start_process_group(args, rank, world_size, device, log):
 
 
 def end_process_group():
-    """Stops Horovod's background thread while Python is whole; the preemption handlers go first."""
+    """Stops Horovod's background thread while Python is whole; the preemption handlers go first (the run is over:
+    a stop request is ignored from now on)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_IGN)
     hvd.shutdown()
 
 
