@@ -1,7 +1,9 @@
 """Two nodes under torchrun, emulated on one machine: two agents (--nnodes=2, --node-rank 0 and 1) that
 meet at one --rdzv-endpoint. Each node is given its own folders where a test needs it, as two hosts may
 see different files: a problem only one node has is reported by that node, ranks that find different
-checkpoints stop with one line on each node, and two nodes train exactly as two processes on one."""
+checkpoints stop with one line on each node, and two nodes train exactly as two processes on one. Elastic
+jobs (--nnodes=1:2 --max-restarts=3, as the README's "Nodes come and go" starts them): a node lost mid-epoch
+leaves the other to finish alone, a node added mid-epoch makes both go on together, from the same step."""
 import re
 import shutil
 import signal
