@@ -505,6 +505,7 @@ def start_node_processes(args):
     """One task per node: start --procs-per-node processes and pass Slurm's signals on to them; if one
     fails, stop the others, and fail this task so that srun --kill-on-bad-exit ends the job."""
     forward = lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()]  # noqa: E731
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # kept by multiprocessing's resource tracker, which Slurm signals too
     context = mp.start_processes(run, args=(args,), nprocs=args.procs_per_node, join=False, start_method="spawn")
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # SIGINT: srun passes on Ctrl-C
         signal.signal(sig, forward)
@@ -524,6 +525,9 @@ def start_node_processes(args):
             what += " (often the out-of-memory killer: give the job more memory, or lower -b or -j/--workers)"
         print(f"error: process {e.error_index} of this task {what}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:  # the processes are done: a stop request now changes nothing, and at exit Python would restore the
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # default (srun --kill-on-bad-exit sends
+            signal.signal(sig, signal.SIG_IGN)  # SIGTERM as soon as another task exits 75: this one exits 75 too)
 
 
 def main_worker(args, local_index=None):

@@ -228,6 +228,7 @@ def test_usr1_to_the_step_saves_and_srun_exits_75(way, slurm, image_data, tmp_pa
     job.wait_for_line("Epoch 0 [ 1/12]")
     slurm_command(slurm, "scancel", "--signal=USR1", "--name=usr1", check=True)
     assert_preempted(job, tmp_path)
+    assert "Traceback" not in job.output and "resource_tracker" not in job.output, job.output  # spawn's helper too
 
 
 @pytest.mark.parametrize("way", ["one task per process", "one task per node"])
