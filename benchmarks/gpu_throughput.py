@@ -15,7 +15,7 @@ Defaults: resnet50 at 224 px, batch 256, bf16 autocast, channels_last, the first
     non_blocking=True)`, `loss.item()` every step (its AverageMeter), with the same model, batch,
     autocast, channels_last and cudnn autotuning as (b).
 (d) as (b), with --gpu-decode: the loader workers only read the files; the training process decodes
-    them (nvJPEG, a batch per call) and crops them on the GPU.
+    them (nvJPEG, a batch per call) and crops them on the GPU. Not run, saying why, where torchcodec does not load.
 (b), (c) and (d) run once per --workers count: default every core (os.cpu_count()) and 4, a GPU's share of
 a node short of cores. Each is a fresh process that trains two epochs of -p + --steps steps and times
 the second after its first -p steps: the first epoch takes the warm-up (worker start, cudnn autotuning,
@@ -282,6 +282,15 @@ def run_benchmark(args, tmp):
     return {"img_per_s": float(found[1]), "images": args.steps * args.batch_size, "epoch_img_per_s": None}
 
 
+def torchcodec_missing():
+    """Why torchcodec's JPEG decoder, which --gpu-decode needs, does not load here; "" when it does."""
+    try:
+        from torchcodec.decoders import decode_jpeg  # noqa: F401
+    except Exception as e:  # not installed, or built for another torch
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
 def run_distributed(args, data, workers, tmp, *extra):
     """(b), and (d) with extra ["--gpu-decode"]: two epochs; img/s of the second after its first -p steps, from the
     progress lines, and of the whole second epoch, from metrics.jsonl."""
@@ -351,12 +360,15 @@ def main():
               f"{device.type}; {len(jpegs)} distinct JPEGs ({source}, mean {kb:.0f} kB)\nevery run times "
               f"{args.steps} steps ({args.steps * args.batch_size} images); (b) and (c) in their second epoch, after "
               f"its first {args.print_freq} steps", flush=True)
+        no_decoder = torchcodec_missing()
+        if no_decoder:
+            print(f"(d) not run: --gpu-decode needs torchcodec, which did not load ({no_decoder})", flush=True)
         runs = [("a", None, "distributed.py --benchmark (no input pipeline)", lambda: run_benchmark(args, tmp))]
         for w in args.workers:
             runs += [("b", w, "distributed.py on the JPEGs", lambda w=w: run_distributed(args, data, w, tmp)),
-                     ("c", w, "pytorch/examples way", lambda w=w: run_examples(args, data, w)),
-                     ("d", w, "distributed.py --gpu-decode on the JPEGs",
-                      lambda w=w: run_distributed(args, data, w, tmp, "--gpu-decode"))]
+                     ("c", w, "pytorch/examples way", lambda w=w: run_examples(args, data, w))]
+            runs += [] if no_decoder else [("d", w, "distributed.py --gpu-decode on the JPEGs",
+                                            lambda w=w: run_distributed(args, data, w, tmp, "--gpu-decode"))]
         for key, workers, name, measure in runs:
             print(f"running ({key}) {name}" + ("" if workers is None else f", {workers} loader workers") + " ...",
                   flush=True)
@@ -365,7 +377,7 @@ def main():
     a = rows[0]["img_per_s"]
     rate = {(r["run"], r["workers"]): r["img_per_s"] for r in rows}
     ratios = [{"workers": w, "b/a": rate["b", w] / a, "b/c": rate["b", w] / rate["c", w],
-               "d/b": rate["d", w] / rate["b", w]} for w in args.workers]
+               "d/b": rate["d", w] / rate["b", w] if ("d", w) in rate else None} for w in args.workers]
     print(f"\n{'run':52} {'workers':>7} {'img/s':>8} {'whole epoch':>11}")  # img/s of (b)'s and (c)'s 2nd epoch
     for r in rows:
         whole = "-" if r["epoch_img_per_s"] is None else f"{r['epoch_img_per_s']:.0f}"
@@ -373,11 +385,13 @@ def main():
         print(f"({r['run']}) {r['name']:48} {workers:>7} {r['img_per_s']:>8.0f} {whole:>11}")
     print(f"\n{'workers':>7} {'b/a':>6} {'b/c':>6} {'d/b':>6}")
     for r in ratios:
-        print(f"{r['workers']:>7} {r['b/a']:>6.2f} {r['b/c']:>6.2f} {r['d/b']:>6.2f}")
+        d_b = "-" if r["d/b"] is None else f"{r['d/b']:.2f}"
+        print(f"{r['workers']:>7} {r['b/a']:>6.2f} {r['b/c']:>6.2f} {d_b:>6}")
     most, fewest = ratios[args.workers.index(max(args.workers))], ratios[args.workers.index(min(args.workers))]
     print(f"b / a = {most['b/a']:.2f} with {most['workers']} workers (target >= 0.9 with all {os.cpu_count()} cores)")
     print(f"b / c = {fewest['b/c']:.2f} with {fewest['workers']} workers (target >= 1.3 with 4)")
-    print(f"d / b = {fewest['d/b']:.2f} with {fewest['workers']} workers (decoding on the GPU over the workers')")
+    if fewest["d/b"] is not None:
+        print(f"d / b = {fewest['d/b']:.2f} with {fewest['workers']} workers (decoding on the GPU over the workers')")
     if args.out:
         settings = {k: v for k, v in vars(args).items()
                     if k not in ("examples_run", "out", "allow_cpu", "images", "jpegs")}
