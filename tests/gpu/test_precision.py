@@ -1,7 +1,6 @@
 """Mixed precision and memory format on one GPU: --amp fp16 (GradScaler) and bf16, --channels-last, apex's opt
 levels O0-O3, resuming an fp16 run exactly, resuming a checkpoint without loss scaling under --amp fp16, and
 --deterministic with a model whose backward has no deterministic CUDA kernel."""
-import re
 import shutil
 
 import pytest
@@ -89,9 +88,9 @@ def test_apex_opt_levels(level, half, image_data, tmp_path):
     job = ok(torchrun(APEX, 1, image_data, *FAST, "--opt-level", level, "--half-dtype", half, "--epochs", 3,
                       "--channels-last", "--output-dir", tmp_path))
     assert opt_level_line(level, half) in job.output, job.output
-    assert re.search(r"^optimizer: (apex\.optimizers\.FusedSGD|torch\.optim\.SGD\(fused=True\))", job.output, re.M)
     assert_trains(tmp_path, 3, min_acc1=None if level == "O3" else 50)
     ckpt = checkpoint_of(tmp_path)
+    assert all(group["fused"] for group in ckpt["optimizer"]["param_groups"])  # torch's fused SGD at every level
     weights = {k: v for k, v in ckpt["state_dict"].items() if v.is_floating_point()}
     assert {v.dtype for v in weights.values()} == {torch.float32}  # fp32 at every level, loadable anywhere
     dtype = getattr(torch, half)
