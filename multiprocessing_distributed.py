@@ -549,6 +549,7 @@ def main_worker(args, local_index=None):
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
     if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
+        torch._inductor.config.layout_optimization = False  # its relayout of DDP's split graphs fails on CUDA (2.11)
         run.train_model = torch.compile(run.train_model)
     run.profiler = StepProfiler(run, args, rank, log, steps_per_epoch)  # [profile]
     if args.benchmark:  # [benchmark]

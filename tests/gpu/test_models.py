@@ -60,7 +60,7 @@ def in_process(monkeypatch):
 def test_every_model_trains_and_evaluates(arch, script, in_process, capsys, tmp_path):
     size = input_size(script, arch)
     common = ["--dummy", "--dummy-size", "8", "-a", arch, "-b", "2", "--crop-size", size, "--val-resize", size,
-              "-j", "0", "--amp", "bf16", "--output-dir", tmp_path]
+              "-j", "0", "--amp", "bf16", "--lr", "0.001", "--output-dir", tmp_path]
     script.main_worker(script.parse_args([str(a) for a in [*common, "--benchmark", "1"]]))
     script.main_worker(script.parse_args([str(a) for a in [*common, "-e"]]))
     out = capsys.readouterr().out

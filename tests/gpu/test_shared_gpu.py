@@ -3,6 +3,7 @@ nodes (torchrun takes LOCAL_RANK only below the GPU count), spawn likewise as tw
 the same GPU. Over gloo (CUDA tensors) they train: DDP, SyncBatchNorm, fp16 with its GradScaler, checkpoints and the
 agreement on a preemption. Over NCCL, which cannot put two ranks on one GPU, they stop with one clear line."""
 import os
+import re
 
 import pytest
 
@@ -51,11 +52,14 @@ def images(args):
 
 
 def test_sync_bn_over_two_ranks_equals_batch_norm_over_their_global_batch(tmp_path):
-    """SyncBatchNorm takes the statistics over both ranks' 8 images: an epoch of 2 x 8 with --sync-bn is, to float
-    rounding, an epoch of one process with plain BatchNorm over all 16 (same samples and steps; fp32, no TF32)."""
+    """SyncBatchNorm takes the statistics over both ranks' 8 images: 2 x 8 with --sync-bn trains as one process with
+    plain BatchNorm over all 16 (same samples and steps; fp32, no TF32). The losses of the first two steps (the
+    forward, then the first step's backward through the shared statistics) agree to the printed digits: measured on
+    an H200, 1.4264 and 1.4052 both ways, where BatchNorm of each rank's own 8 gives 1.5169 and 1.5137. After that,
+    rounding grows (layer4's statistics are over 16 values at 32 px): 0.9483 against 0.9455 at the epoch's end."""
     (tmp_path / "fixed.py").write_text(FIXED_IMAGES)
     run = ["--dataset", "fixed:images", "--num-classes", "4", "-a", "resnet18", "-b", "16", "--lr", "0.005", "-j", "0",
-           "--deterministic", "--no-tf32", "--epochs", 1]
+           "-p", "1", "--deterministic", "--no-tf32", "--epochs", 1]
     env = {"PYTHONPATH": tmp_path}
     jobs = ok_all(two_nodes(DISTRIBUTED, *run, *GLOO, "--sync-bn", "--output-dir", tmp_path / "sync", env=env))
     assert SHARED in jobs[0].output, jobs[0].output
@@ -63,12 +67,12 @@ def test_sync_bn_over_two_ranks_equals_batch_norm_over_their_global_batch(tmp_pa
         assert "--sync-bn: off on CPU" in jobs[0].output
         pytest.skip("GPU_SUITE_ON_CPU=1: SyncBatchNorm needs CUDA; the run went through, with per-process BatchNorm")
     assert "--sync-bn: off" not in jobs[0].output
-    ok(torchrun(DISTRIBUTED, 1, *run, "--output-dir", tmp_path / "one", env=env))
-    mine, theirs = metrics(tmp_path / "sync")[0], metrics(tmp_path / "one")[0]
-    for key in ("train_loss", "val_loss"):
-        assert mine[key] == pytest.approx(theirs[key], rel=1e-4), (key, mine, theirs)
-    for key in ("train_acc1", "val_acc1"):  # a near tie may flip a prediction
-        assert mine[key] == pytest.approx(theirs[key], abs=3.2), (key, mine, theirs)
+    one = ok(torchrun(DISTRIBUTED, 1, *run, "--output-dir", tmp_path / "one", env=env))
+    steps = [[float(loss) for loss in re.findall(r"^Epoch 0 \[ *\d+/10\] loss (\S+)", job.output, re.M)]
+             for job in (jobs[0], one)]
+    assert len(steps[0]) == len(steps[1]) == 10 and steps[0][:2] == pytest.approx(steps[1][:2], abs=2e-4), steps
+    assert metrics(tmp_path / "sync")[0]["train_loss"] == pytest.approx(metrics(tmp_path / "one")[0]["train_loss"],
+                                                                         rel=0.01)
 
 
 # name: (start(data, output folder) -> jobs, what rank 0 says)
