@@ -146,7 +146,7 @@ def test_runner_shards_hold_every_case_once(tmp_path):
     def cases(proc):
         out = proc.communicate(timeout=120)[0]
         assert proc.returncode == 0, out
-        groups = re.findall(r"^group \d+ \(guessed \d+ s\): (.*)$", out, re.M)
+        groups = re.findall(r"^group \d+ \(expected \d+ s\): (.*)$", out, re.M)
         return [case for group in groups for case in group.split()]
 
     everything, first, second = listing(), listing("--shard", "1/2"), listing("--shard=2/2")
