@@ -270,10 +270,13 @@ def describe_processes(args, world_size, device, group):
 
 
 def prepare_model(model, args, device, log):
-    """The model on the first GPU (DataParallel copies it to the others every step), or the CPU."""
+    """The model on the first GPU (DataParallel copies it to the others every step), or the CPU; its 4-D weights
+    channels-last with --channels-last."""
     if args.sync_bn:
         log("--sync-bn: off (SyncBatchNorm needs DistributedDataParallel); BatchNorm statistics stay per GPU")
-    return model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    for p in model.parameters() if args.channels_last else ():  # (module.to would refuse a Conv3d's 5-D weights)
+        p.data = p.data.contiguous(memory_format=torch.channels_last) if p.dim() == 4 else p.data
+    return model.to(device)
 
 
 def build_optimizer(model, args, device, log):

@@ -289,7 +289,7 @@ def project(tmp_path_factory):
         pixels = colours[labels][:, :, None, None] + rng.normal(0, 30, (size, 3, 12, 12))
         arrays.update({f"{split}_x": pixels.clip(0, 255).astype(np.uint8), f"{split}_y": labels})
     np.savez(folder / "images.npz", classes=np.array(["red", "green", "blue"]), **arrays)
-    for script in ("distributed.py", "multiprocessing_distributed.py", "fsdp_distributed.py"):
+    for script in ("distributed.py", "multiprocessing_distributed.py", "fsdp_distributed.py", "dataparallel.py"):
         shutil.copy(script, folder)
     return folder
 
@@ -410,9 +410,10 @@ def test_a_tensor_dataset_takes_num_classes(project, tmp_path):
         "out.bias"].shape == (3,)
 
 
-def test_channels_last_with_a_conv3d_model(project, tmp_path):
+@pytest.mark.parametrize("script", ["distributed.py", "dataparallel.py"])  # their own prepare_model each
+def test_channels_last_with_a_conv3d_model(script, project, tmp_path):
     """--channels-last takes the 4-D weights only: a Conv3d's 5-D weights and inputs stay as they are."""
-    ok(python(project / "distributed.py", *TABLE, "--dataset", "mine:volumes", "-a", "mine:conv3d", "--channels-last",
+    ok(python(project / script, *TABLE, "--dataset", "mine:volumes", "-a", "mine:conv3d", "--channels-last",
               "-j", "0", "--epochs", "1", "--output-dir", tmp_path, cwd=project))
     assert metrics(tmp_path)[0]["val_acc1"] >= 50
 
