@@ -307,11 +307,16 @@ def main_worker(args, local_index=None):
     log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
     log = print_or_drop if rank == 0 else log  # [preemption]
 
-    train_set, val_set, model, ckpt_path, ckpt = check_and_load(args, rank, world_size, device)
-    claim_output_dir(args, rank, log)  # [safety]
-    set_seed(args.seed + rank)  # check_and_load seeded the same initial weights everywhere; from here, per rank
-    # before the process group: the loaders fork their workers now, while no thread of gloo's can hold a lock
+    train_set, val_set, ckpt_path = check_and_load(args, rank, world_size, device)
+    # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
+    # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
     train_sampler, train_batches, val_volumes = build_loaders(args, train_set, val_set, rank, world_size, device)
+    config = model_config(args, train_set.channels)
+    ckpt = load_checkpoint(ckpt_path, config) if ckpt_path else None
+    claim_output_dir(args, rank, log)  # [safety]
+    set_seed(args.seed)
+    model = UNet3D(**config)  # the same initial weights on every rank
+    set_seed(args.seed + rank)  # but each rank its own random draws
     group = start_process_group(args, rank, world_size, device, log)
     preemption = Preemption(group)  # [preemption]
     check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))  # [safety]
@@ -325,7 +330,7 @@ def main_worker(args, local_index=None):
     optimizer = build_optimizer(model, args, device, log)
     amp_dtype, scaler = setup_precision(model, optimizer, args, device, log)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(args.milestones), gamma=args.gamma)
-    run = RunState(model, optimizer, scheduler, scaler, amp_dtype, model_config(args, train_set.channels))
+    run = RunState(model, optimizer, scheduler, scaler, amp_dtype, config)
     run.preemption = preemption  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
@@ -493,9 +498,9 @@ def predict_volume(model, image, patch, tiles_per_pass):
 
 
 def check_and_load(args, rank, world_size, device):
-    """Everything that can fail on bad input, done before any process waits for another. Returns
-    the datasets, the model (the same initial weights on every rank), the checkpoint's path and the
-    checkpoint, if any. rank: each rank reads its own share of the label masks."""
+    """What can fail on bad input before the loaders start (the checkpoint's fit is checked as it is read, before
+    any process waits for another). Returns the datasets and the checkpoint's path, if any. rank: each rank reads
+    its own share of the label masks."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
@@ -511,17 +516,13 @@ def check_and_load(args, rank, world_size, device):
             raise UserError(f"{os.path.join(args.data, split, kind)} not found: DIR must hold train/images, "
                             f"train/labels, val/images and val/labels")
     train_set, val_set = build_datasets(args)
-    config = model_config(args, train_set.channels)
-    ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, config) if ckpt_path else None
     if len(train_set) * args.patches_per_volume < args.batch_size and not args.evaluate:
         raise UserError(f"{len(train_set)} training volumes x {args.patches_per_volume} patches are fewer than one "
                         f"global batch of {args.batch_size}: lower -b or raise --patches-per-volume")
     for dataset in (train_set, val_set):
         if isinstance(dataset, VolumeFolder):
             dataset.check_labels(rank, world_size)
-    set_seed(args.seed)
-    return train_set, val_set, UNet3D(**config), ckpt_path, ckpt
+    return train_set, val_set, resume_path(args)
 
 
 # =============================================================================================

@@ -1,5 +1,6 @@
 """distributed.py launched by torchrun (and plain python) on CPU: learning, checkpoints, exact
 evaluation, equivalence across process counts, resume, preemption and faults."""
+import ast
 import re
 import signal
 import sys
@@ -186,16 +187,18 @@ def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(ima
 
 
 BALLAST = '''
+import os
+
 import torch
 
 
 class Ballast(torch.nn.Module):
-    """A linear model with 256 MiB of state besides: a large model's weights, for memory's sake."""
+    """A linear model with 256 MiB of state besides (BALLAST numbers): a large model's weights, for memory's sake."""
 
     def __init__(self, num_classes):
         super().__init__()
         self.head = torch.nn.Linear(3, num_classes)
-        self.register_buffer("ballast", torch.randn(2**26))
+        self.register_buffer("ballast", torch.randn(int(os.environ.get("BALLAST", 2**26))))
 
     def forward(self, x):
         return self.head(x.mean((2, 3)))
@@ -205,20 +208,40 @@ class Ballast(torch.nn.Module):
 def test_loader_workers_keep_neither_the_model_nor_the_resumed_checkpoint(image_data, tmp_path):
     """The loader workers fork before the model is built and the checkpoint read: a fork after would keep their
     pages alive in every worker for the whole run, once the training process has dropped them (a 256 MiB model:
-    about +512 MiB over 2 ranks' workers after --resume, and its share of the model on a fresh start)."""
+    about +512 MiB over 2 ranks' workers after --resume, and its share of the model on a fresh start). Measured
+    against the same fresh run with a model of no size."""
     (tmp_path / "ballast.py").write_text(BALLAST)
 
-    def workers_pss(epoch, *args):
+    def workers_pss(epoch, *args, ballast=2**26):
         job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "-a", "ballast:Ballast", "--output-dir",
-                       tmp_path / "out", *args, env={"PYTHONPATH": tmp_path})
+                       tmp_path / f"out{ballast}", *args, env={"PYTHONPATH": tmp_path, "BALLAST": ballast})
         job.wait_for_line(f"Epoch {epoch} [ 1/12]")
         pss = sum(w.memory_full_info().pss for rank in (0, 1) for w in job.process_of_rank(rank).children())
         ok(job)
         return pss / 2**20
 
+    none = workers_pss(0, "--epochs", "1", ballast=1)
     fresh = workers_pss(0, "--epochs", "1")
     resumed = workers_pss(1, "--epochs", "2", "--resume", "auto")
-    assert resumed - fresh < 64, (fresh, resumed)
+    assert fresh - none < 64 and resumed - none < 64, (none, fresh, resumed)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*.py")))
+def test_every_script_forks_its_loader_workers_before_the_model_and_the_checkpoint(script):
+    """The memory test above for every script, read from its source: nothing main_worker calls before build_loaders
+    (nor what those functions of the script's own call) builds the model or reads a checkpoint."""
+    tree = ast.parse((ROOT / script).read_text())
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+    def calls(node):
+        return {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+
+    body = functions["main_worker"].body
+    first = next(i for i, statement in enumerate(body) if "build_loaders" in calls(statement))
+    direct = set().union(*map(calls, body[:first]))
+    called = direct.union(*(calls(functions[name]) for name in direct if name in functions))
+    assert not called & {"build_model", "UNet3D", "load_checkpoint", "read_checkpoint"}, called
 
 
 def test_benchmark_mode_trains_on_synthetic_device_batches_and_prints_img_per_s(tmp_path):
