@@ -37,6 +37,7 @@ import contextlib
 import copy  # [ema]
 import ctypes  # [preemption]
 import datetime
+import functools
 import gc
 import fcntl  # [safety]
 import importlib  # [spec]
@@ -499,7 +500,8 @@ def main_worker(args, local_index=None):
     num_classes, local_batch = args.num_classes or class_count(train_set), args.batch_size // world_size
     # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
     # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
-    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
+    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, num_classes, rank, world_size,
+                                                              device)
     ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
     check_fit(ckpt_path, ckpt, sets, args)  # [safety]
@@ -802,11 +804,11 @@ def load_image(path):
         raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
-def collate(samples):
+def collate(samples, num_classes):
     """apex's fast_collate as the loaders' collate_fn: the workers' uint8 images copied straight into one
     uint8 batch, channels last (the order the crops lie in); the loader pins it, and the Prefetcher puts it
     into the model's memory format and normalizes it once, on the device. Other inputs: default_collate."""
-    check_items(samples)  # [safety]
+    check_items(samples, num_classes)  # [safety]
     if samples[0][0].dtype != torch.uint8:
         return default_collate(samples)
     images = torch.empty((len(samples), *samples[0][0].shape), dtype=torch.uint8, memory_format=torch.channels_last)
@@ -815,10 +817,11 @@ def collate(samples):
     return images, torch.tensor([target for _, target in samples], dtype=torch.int64)
 
 
-def build_loaders(args, train_set, val_set, rank, world_size, device):
+def build_loaders(args, train_set, val_set, num_classes, rank, world_size, device):
     """(train sampler, train batches, validation batches): each rank's share, on the device (Prefetcher)."""
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
-                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate)
+                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                       collate_fn=functools.partial(collate, num_classes=num_classes))
     loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
     atexit.register(end_loader_workers)
     train_data = SeededSamples(train_set)
@@ -1791,9 +1794,17 @@ def check_same_checkpoint(views):
                         f"must be on a filesystem that every node shares and sees up to date")
 
 
-def check_items(samples):
+def check_items(samples, num_classes):
     """One line, from the rank whose loader met them, for items that cannot make one batch: check_datasets read
-    a single item, and a dataset may return others unlike it (a row cut short, an image of another size)."""
+    a single item, and a dataset may return others unlike it (a row cut short, an image of another size, a label
+    past the class count, which would crash cross_entropy, on a GPU with a device-side assert)."""
+
+    def fits(label):
+        try:
+            return 0 <= int(label) < num_classes
+        except (TypeError, ValueError, RuntimeError):  # not one integer
+            return False
+
     kinds = sorted({f"{'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}"
                     if isinstance(x, torch.Tensor) else type(x).__name__
                     for x, *_ in (s if isinstance(s, (tuple, list)) else (s,) for s in samples)})
@@ -1801,6 +1812,10 @@ def check_items(samples):
         raise RankError(f"the data's items differ within a batch (inputs {', '.join(kinds[:3])}), or are not "
                         f"(input, label) pairs: every item's input must have one shape and dtype; crop or pad it in "
                         f"the dataset")
+    bad = [label for _, label in samples if not fits(label)]
+    if bad:
+        raise RankError(f"a label is {bad[0]!r}; with {num_classes} classes (--num-classes, or the data's count) "
+                        f"labels are integers from 0 to {num_classes - 1}: fix the data, or give --num-classes")
 
 
 def check_finite(summary, first_bad, epoch):

@@ -544,7 +544,8 @@ def main_worker(args, local_index=None):
     num_classes, local_batch = args.num_classes or class_count(train_set), args.batch_size // world_size
     # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
     # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
-    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, rank, world_size, device)
+    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, num_classes, rank, world_size,
+                                                              device)
     ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
     check_fit(ckpt_path, ckpt, sets, args)  # [safety]
@@ -881,20 +882,21 @@ def load_image(path):
         raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
-def collate(samples):
+def collate(samples, num_classes):
     """The loaders' collate_fn: uint8 images copied into the batch in their memory order (channels last, as decode
     and crop leave them), about 4x cheaper than transposed; the Prefetcher sets the model's format on the device."""
-    check_items(samples)  # [safety]
+    check_items(samples, num_classes)  # [safety]
     if samples[0][0].dtype != torch.uint8:
         return default_collate(samples)
     images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
     return images.permute(0, 3, 1, 2), labels
 
 
-def build_loaders(args, train_set, val_set, rank, world_size, device):
+def build_loaders(args, train_set, val_set, num_classes, rank, world_size, device):
     """(train sampler, train batches, validation batches): each rank's share, on the device (Prefetcher)."""
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
-                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0, collate_fn=collate)
+                       pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
+                       collate_fn=functools.partial(collate, num_classes=num_classes))
     loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
     atexit.register(end_loader_workers)
     train_data = SeededSamples(train_set)
@@ -1875,9 +1877,17 @@ def check_same_checkpoint(views):
                         f"must be on a filesystem that every node shares and sees up to date")
 
 
-def check_items(samples):
+def check_items(samples, num_classes):
     """One line, from the rank whose loader met them, for items that cannot make one batch: check_datasets read
-    a single item, and a dataset may return others unlike it (a row cut short, an image of another size)."""
+    a single item, and a dataset may return others unlike it (a row cut short, an image of another size, a label
+    past the class count, which would crash cross_entropy, on a GPU with a device-side assert)."""
+
+    def fits(label):
+        try:
+            return 0 <= int(label) < num_classes
+        except (TypeError, ValueError, RuntimeError):  # not one integer
+            return False
+
     kinds = sorted({f"{'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}"
                     if isinstance(x, torch.Tensor) else type(x).__name__
                     for x, *_ in (s if isinstance(s, (tuple, list)) else (s,) for s in samples)})
@@ -1885,6 +1895,10 @@ def check_items(samples):
         raise RankError(f"the data's items differ within a batch (inputs {', '.join(kinds[:3])}), or are not "
                         f"(input, label) pairs: every item's input must have one shape and dtype; crop or pad it in "
                         f"the dataset")
+    bad = [label for _, label in samples if not fits(label)]
+    if bad:
+        raise RankError(f"a label is {bad[0]!r}; with {num_classes} classes (--num-classes, or the data's count) "
+                        f"labels are integers from 0 to {num_classes - 1}: fix the data, or give --num-classes")
 
 
 def check_finite(summary, first_bad, epoch):

@@ -1,6 +1,7 @@
 """apex_distributed.py under torchrun on CPU, in bfloat16 (float16's backward is slow on a CPU; tests/test_one_path.py
 runs O2 and O3 in float16): apex's opt levels O0-O3, O2's fp32 master weights and their bit-exact resume,
 normalization done once, and a broken apex on the path."""
+import functools
 import math
 
 import pytest
@@ -112,7 +113,8 @@ def test_the_prefetcher_normalizes_once(script):
     mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in script.NORMALIZE[3])
     samples = [((mean + std * torch.randn(3, 16, 16, generator=g)).round().clamp(0, 255).to(torch.uint8), i % 4)
                for i in range(64)]
-    batches = list(script.Prefetcher(DataLoader(samples, batch_size=32, collate_fn=script.collate), torch.device("cpu"),
+    collate = functools.partial(script.collate, num_classes=4)
+    batches = list(script.Prefetcher(DataLoader(samples, batch_size=32, collate_fn=collate), torch.device("cpu"),
                                      True, script.NORMALIZE))
     assert len(batches) == 2
     images, target = batches[0]

@@ -2,6 +2,7 @@
 the meaning of the PIL path: every kind of file loads as the same RGB pixels with either decoder, and the
 same seed gives the same crop of the same image with the same label."""
 import argparse
+import functools
 import sys
 import types
 
@@ -97,7 +98,7 @@ def test_gpu_decode_makes_the_batches_the_loader_workers_make(script, tmp_path):
                                       (val, val, list(range(8)))):
         deferred = script.DeviceDecoded(dataset)
         for batch_keys in (keys[:jpegs], keys):  # JPEGs only: one decode call; with the PNGs: file by file
-            expected = script.collate([in_workers[key] for key in batch_keys])
+            expected = script.collate([in_workers[key] for key in batch_keys], num_classes=4)
             files, labels = deferred.collate([deferred[key] for key in batch_keys])
             assert torch.equal(deferred.decode(files, torch.device("cpu")), expected[0])
             assert torch.equal(labels, expected[1])
@@ -181,8 +182,9 @@ def test_batches_reach_the_model_normalized_in_its_memory_format(script, channel
     image = torch.from_numpy(photo(48, 64)).permute(2, 0, 1)
     torch.manual_seed(0)
     samples = [(script.RandomResizedCropFlip(32)(image), label) for label in range(6)]
-    assert script.collate(samples)[0].is_contiguous(memory_format=torch.channels_last)
-    loader = DataLoader(samples, batch_size=6, num_workers=1, collate_fn=script.collate)
+    collate = functools.partial(script.collate, num_classes=6)
+    assert collate(samples)[0].is_contiguous(memory_format=torch.channels_last)
+    loader = DataLoader(samples, batch_size=6, num_workers=1, collate_fn=collate)
     [(images, labels)] = list(script.Prefetcher(loader, torch.device("cpu"), channels_last, script.NORMALIZE))
     raw, expected_labels = default_collate(samples)
     mean, std = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in script.NORMALIZE[3])

@@ -460,6 +460,9 @@ BAD = {
                              r"its train set has no number of classes: give --num-classes N, or the set an attribute"),
     "fewer classes than the data's": (["--dataset", "mine:table", "-a", "mine:mlp", "--num-classes", "2"],
                                       r"--num-classes 2, but --dataset mine:table's train set has 3 classes"),
+    "a label past the class count": (["--dataset", "mine:tensors", "-a", "mine:mlp", "--num-classes", "2"],
+                                     r"a label is tensor\(2\); with 2 classes \(--num-classes, or the data's count\) "
+                                     r"labels are integers from 0 to 1"),
     "small images at the default crop": (["--dataset", "mine:small_rgb", "-a", "mine:flat_cnn"],
                                          r"does not take the data's inputs \(3x224x224 float32\): .*; images reach it "
                                          r"at --crop-size 224: give the size it takes"),
