@@ -13,8 +13,9 @@ Horovod, Slurm) is this file with its own launcher part and flags, and nothing e
     # no launcher: one process
     python distributed.py --dummy
 
-Rank, local rank and world size come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE);
-there is no --local_rank flag. -b is the global batch: each of W processes gets b = B / W.
+Rank, local rank and world size come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); the
+--local-rank=N that the deprecated `python -m torch.distributed.launch` adds is taken and not needed (that
+launcher sets LOCAL_RANK too). -b is the global batch: each of W processes gets b = B / W.
 
 Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line,
 build_model and build_datasets (edit these two for your own model and data), the launcher part, the training

@@ -10,9 +10,10 @@ from conftest import ROOT, import_script
 
 pytestmark = pytest.mark.quick
 SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
-           "horovod_distributed.py", "distributed_slurm_main.py", "unet3d_apex.py"]
+           "horovod_distributed.py", "distributed_slurm_main.py", "fsdp_distributed.py", "unet3d_apex.py"]
 # values checked where they are used, against what they name: a folder, a file, a model, a backend, GPUs, a URL
-FREE_TEXT = {"data", "arch", "dataset", "resume", "output_dir", "dist_backend", "dist_url", "gpus", "dist_file"}
+FREE_TEXT = {"data", "arch", "dataset", "resume", "output_dir", "dist_backend", "dist_url", "gpus", "dist_file",
+             "export"}
 
 
 @pytest.fixture(scope="module", params=SCRIPTS)
@@ -102,7 +103,7 @@ def test_one_line_and_exit_code_2_from_the_command_line(tmp_path):
 
 # the flags of pytorch/examples' imagenet and torch.distributed.launch that a script takes as its own
 TAKEN = {"distributed.py": {"--local-rank", "--local_rank"}, "apex_distributed.py": {"--local-rank", "--local_rank"},
-         "unet3d_apex.py": {"--local-rank", "--local_rank"},
+         "unet3d_apex.py": {"--local-rank", "--local_rank"}, "fsdp_distributed.py": {"--local-rank", "--local_rank"},
          "multiprocessing_distributed.py": {"--world-size", "--rank", "--dist-url", "--gpu",
                                             "--multiprocessing-distributed"}}
 
