@@ -1721,9 +1721,16 @@ def explain_failure(error, args):
         return UserError(f"not every rank joined the process group within --dist-timeout "
                          f"{getattr(args, 'dist_timeout', 0):g}s: a rank elsewhere may have stopped (see the output "
                          f"of every node), or was never started")
-    try:  # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a pipe or a socket
-        # closed: one killed while it hands over a batch closes its end a moment before it can be waited for)
-        for pause in [0] + [0.05] * (20 if isinstance(error, (OSError, EOFError)) else 0):
+    # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a pipe or a socket
+    # closed, a message garbled: one killed while it hands over a batch fails the read a moment before it can be
+    # waited for): after an error of the transport's (OSError, EOFError, or one raised in multiprocessing's code)
+    tb = error.__traceback__
+    while tb and tb.tb_next:
+        tb = tb.tb_next
+    raised_in = tb.tb_frame.f_code.co_filename if tb else ""
+    transport = isinstance(error, (OSError, EOFError)) or "multiprocessing" in raised_in
+    try:
+        for pause in [0] + [0.05] * (20 if transport else 0):
             time.sleep(pause)
             torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
     except RuntimeError as killed:

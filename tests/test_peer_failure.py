@@ -79,6 +79,7 @@ DYING_WORKER = '''
 import multiprocessing.reduction
 import os
 import signal
+import socket
 import time
 
 import torch
@@ -97,8 +98,11 @@ class Rows(torch.utils.data.Dataset):
 
 
 def die_handing_over(conn, fd, pid):
-    """The worker's end of the socket that passes a batch's memory closes, and the kernel lets the worker be waited
-    for a moment later: as when the out-of-memory killer ends it there, with that moment made long."""
+    """The worker's end of the socket that passes a batch's memory closes, or sends a byte without the descriptor
+    (a message cut short), and the kernel lets the worker be waited for a moment later: as when the out-of-memory
+    killer ends it there, with that moment made long."""
+    if os.environ["HANDOVER"] == "garbled":
+        socket.socket(fileno=os.dup(conn.fileno())).send(b"A")
     conn.close()
     time.sleep(0.3)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -113,13 +117,16 @@ def linear(num_classes):
 '''
 
 
-def test_a_loader_worker_killed_as_it_hands_over_a_batch(tmp_path):
+@pytest.mark.parametrize("handover", ["closed", "garbled"])
+def test_a_loader_worker_killed_as_it_hands_over_a_batch(handover, tmp_path):
     """A batch passed by file descriptor (torch's default on Linux) is taken from the worker through a socket: a worker
-    killed then fails the training process's read (EOFError here; ConnectionResetError, ConnectionRefusedError,
-    FileNotFoundError and the like at other moments) before it can be waited for. The rank still names it."""
+    killed then fails the training process's read (closed: EOFError; garbled: multiprocessing's RuntimeError
+    "received 0 items of ancdata"; ConnectionResetError, FileNotFoundError and the like at other moments) before it
+    can be waited for. The rank still names it."""
     (tmp_path / "dying.py").write_text(DYING_WORKER)
     job = spawn("multiprocessing_distributed.py", 1, "--dataset", "dying:rows", "-a", "dying:linear", "-b", "8", "-j",
-                "1", "--epochs", "1", "--output-dir", tmp_path / "out", cwd=tmp_path).finish(120)
+                "1", "--epochs", "1", "--output-dir", tmp_path / "out", cwd=tmp_path,
+                env={"HANDOVER": handover}).finish(120)
     errors = error_lines(job.output)
     assert job.returncode == 2 and "Traceback" not in job.output, job.output
     assert len(errors) == 1 and re.fullmatch("error: " + KILLED_WORKER.format(pid=r"\d+"), errors[0]), job.output
