@@ -181,9 +181,10 @@ def build_model(args, num_classes, load_weights=True):
 
 def build_datasets(args):
     """(train set, validation set), map-style datasets of (input, label): edit this and build_model for your own data
-    and model. A label is an integer from 0 to N-1 (N: the train set's num_classes or len(classes)); an input a uint8
-    RGB image, 3xHxW, which the Prefetcher normalizes on the device, or any other tensor, passed on unchanged. Here:
-    ImageFolder, --dummy, or --dataset MODULE:FUNCTION's FUNCTION(args), its uint8 images cropped alike."""
+    and model. A label is an integer from 0 to N-1 (N: --num-classes, or the train set's num_classes or len(classes));
+    an input a uint8 image, CxHxW (RGB, gray, or as many channels as the set's mean and std), which the Prefetcher
+    normalizes on the device, or any other tensor, passed on unchanged. Here: ImageFolder, --dummy, or --dataset
+    MODULE:FUNCTION's FUNCTION(args), its uint8 images cropped alike."""
     train_tf = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
     train_tf = RandomResizedCropFlip(args.crop_size)  # [fast-crop]
     val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
