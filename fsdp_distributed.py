@@ -545,8 +545,7 @@ def main_worker(args, local_index=None):
     num_classes, local_batch = args.num_classes or class_count(train_set), args.batch_size // world_size
     # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
     # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
-    train_sampler, train_batches, val_batches = build_loaders(args, train_set, val_set, num_classes, rank, world_size,
-                                                              device)
+    train_sampler, train_batches, val_batches = build_loaders(args, sets, num_classes, rank, world_size, device)
     ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
     check_fit(ckpt_path, ckpt, sets, args)  # [safety]
@@ -893,8 +892,9 @@ def collate(samples, num_classes):
     return images.permute(0, 3, 1, 2), labels
 
 
-def build_loaders(args, train_set, val_set, num_classes, rank, world_size, device):
+def build_loaders(args, sets, num_classes, rank, world_size, device):
     """(train sampler, train batches, validation batches): each rank's share, on the device (Prefetcher)."""
+    train_set, val_set = sets
     loader_args = dict(batch_size=args.batch_size // world_size, num_workers=args.workers,
                        pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
                        collate_fn=functools.partial(collate, num_classes=num_classes))
