@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 import torchvision
+from PIL import Image
 
 from conftest import FAST, OUTPUT_FILES, error_lines, free_port, load, ok, python, spawn, torchrun
 
@@ -62,6 +63,10 @@ CASES = {
     "truncated JPEG": (1, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x)
                                                     .write_bytes(first_train_image(x).read_bytes()[:300]))],
                        r"cannot read image .*class0/0000.JPEG \(.*[Tt]runcated.*\): replace or remove the file"),
+    "an image too large to decode": (1, lambda d, t: [broken_copy(d, t, lambda x: Image.new("1", (14000, 14000))
+                                                          .save(first_train_image(x), "PNG"))],
+                                     r"cannot read image .*class0/0000.JPEG \(Image size \(196000000 pixels\) exceeds "
+                                     r"limit .*\): replace or remove the file"),
     "unknown arch": (1, lambda d, t: [d, "-a", "resnet19"],
                      r"unknown --arch 'resnet19': use a torchvision classification model"),
     "dropout on a model without it": (1, lambda d, t: [d, "--dropout", "0"],
