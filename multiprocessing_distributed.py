@@ -1549,6 +1549,8 @@ def check_args(args):
         load_spec(args.arch, "--arch")  # [spec]
     if args.dummy and args.dataset:  # [dummy] [spec]
         raise UserError("--dummy and --dataset both name the data: give one of them")  # [dummy] [spec]
+    if args.dummy and args.data:  # [dummy]
+        raise UserError(f"--dummy makes its own data, and {args.data} names a folder: give one of them")  # [dummy]
     if args.pretrained and ":" in args.arch:
         raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own model: load "
                         f"its weights inside {args.arch.split(':')[-1]}, or drop --pretrained")

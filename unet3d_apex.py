@@ -508,6 +508,8 @@ def check_and_load(args, rank, world_size, device):
     if args.depth < 1 or any(p % 2 ** (args.depth - 1) or p < 1 for p in args.patch_size):
         raise UserError(f"--patch-size {' '.join(map(str, args.patch_size))}: with --depth {args.depth} each side "
                         f"must be a positive multiple of {2 ** (args.depth - 1)} (2**(depth-1))")
+    if args.synthetic and args.data:
+        raise UserError(f"--synthetic makes its own volumes, and {args.data} names a folder: give one of them")
     if not args.synthetic and not (args.data and os.path.isdir(args.data)):
         raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, "
                         f"or --synthetic")

@@ -51,6 +51,8 @@ CASES = {
     "gpu decode of data that is not an image folder": (1, lambda d, t: ["--dummy", "--gpu-decode"],
                                                        r"--gpu-decode decodes image folders \(DATA/train, DATA/val\); "
                                                        r"this data is not one: leave --gpu-decode out"),
+    "--dummy and a data folder": (1, lambda d, t: [d, "--dummy"],
+                                  r"--dummy makes its own data, and .* names a folder: give one of them"),
     "missing data folder": (1, lambda d, t: [t / "nowhere"],
                             r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],
