@@ -205,6 +205,8 @@ def optional_library_case(module, ext):
 
 # name: (processes, arguments given the dataset and a scratch folder, what the error line must say)
 CASES = {
+    "--synthetic and a data folder": (1, lambda d, t: [d, "--synthetic"],
+                                      r"--synthetic makes its own volumes, and .* names a folder: give one of them"),
     "missing data folder": (1, lambda d, t: [t / "nowhere"],
                             r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val labels folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val" / "labels"))],
