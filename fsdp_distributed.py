@@ -538,6 +538,7 @@ def main_worker(args, local_index=None):
     rank, local_rank, world_size, device = find_processes(args, local_index)
     log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
     log = print_or_drop if rank == 0 else log  # [preemption]
+    preemption = Preemption()  # [preemption]
 
     sets = build_datasets(args)
     check_run(args, world_size, device, sets)  # [safety]
@@ -554,7 +555,7 @@ def main_worker(args, local_index=None):
     model = build_model(args, num_classes)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own dropout draws
     group = start_process_group(args, rank, world_size, device, log)
-    preemption = Preemption(group)  # [preemption]
+    preemption.group = group  # [preemption]
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
         f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples"
@@ -1348,13 +1349,14 @@ PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "r
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
-    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
+    """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
+    first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
+    set once it exists: sum_async), so checking it every step costs no barrier and no GPU sync."""
 
     signum = None  # the signal that stopped the run (the Slurm script requeues after SIGUSR1 only)
 
-    def __init__(self, group):
-        self.group, self.requested, self.wait = group, False, None
+    def __init__(self):
+        self.group, self.requested, self.wait = None, False, None
         self.flag = torch.zeros(1)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)

@@ -306,6 +306,7 @@ def main_worker(args, local_index=None):
     rank, local_rank, world_size, device = find_processes(args, local_index)
     log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
     log = print_or_drop if rank == 0 else log  # [preemption]
+    preemption = Preemption()  # [preemption]
 
     train_set, val_set, ckpt_path = check_and_load(args, rank, world_size, device)
     # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
@@ -318,7 +319,7 @@ def main_worker(args, local_index=None):
     model = UNet3D(**config)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own random draws
     group = start_process_group(args, rank, world_size, device, log)
-    preemption = Preemption(group)  # [preemption]
+    preemption.group = group  # [preemption]
     check_same_checkpoint(gather_objects(ckpt and (ckpt["epoch"], ckpt.get("step", 0))))  # [safety]
     local_batch, patch = args.batch_size // world_size, tuple(args.patch_size)
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, 3D U-Net (base "
@@ -1040,13 +1041,14 @@ PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "r
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 set a flag. Ranks agree on it one step later through a non-blocking sum on the
-    launcher's CPU group (sum_async), so checking it every step costs no barrier and no GPU sync."""
+    """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
+    first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
+    set once it exists: sum_async), so checking it every step costs no barrier and no GPU sync."""
 
     signum = None  # the signal that stopped the run (the Slurm script requeues after SIGUSR1 only)
 
-    def __init__(self, group):
-        self.group, self.requested, self.wait = group, False, None
+    def __init__(self):
+        self.group, self.requested, self.wait = None, False, None
         self.flag = torch.zeros(1)
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)

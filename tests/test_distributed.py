@@ -4,6 +4,7 @@ import ast
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,42 @@ def test_a_signal_to_torchrun_ends_in_the_preemption_checkpoint_with_loader_work
     job.proc.send_signal(signum)
     assert_preempted(job, tmp_path, code=LAUNCHER_FAILED if signum == signal.SIGTERM else -signum)
     assert "DataLoader worker" not in job.output
+
+
+# a dataset slow to build: each rank marks when it is building it, for the test to signal the job then
+SLOW_START = '''
+import os
+import time
+
+import torch
+
+
+def rows(args):
+    open(os.environ["STARTED"] + os.environ["RANK"], "w").close()
+    time.sleep(3)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 20), torch.arange(64) % 2)
+    return data, data
+
+
+def linear(num_classes):
+    return torch.nn.Linear(20, num_classes)
+'''
+
+
+def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(tmp_path):
+    """SIGTERM to torchrun while the ranks still build their datasets (a scheduler's notice comes when it comes): the
+    run stops as it does later, with a checkpoint and exit code 75 on every rank, not killed by the signal (which a
+    wrapper that requeues on 75, or the Slurm script's requeue on SIGUSR1, would take for a failure)."""
+    (tmp_path / "slow.py").write_text(SLOW_START)
+    started = tmp_path / "started"
+    job = torchrun(SCRIPT, 2, "--dataset", "slow:rows", "-a", "slow:linear", "--num-classes", "2", "-b", "8", "-j",
+                   "2", "-p", "1", "--epochs", "1", "--output-dir", tmp_path / "out",
+                   env={"PYTHONPATH": tmp_path, "STARTED": started})
+    deadline = time.time() + 120
+    while not all(Path(f"{started}{rank}").exists() for rank in (0, 1)) and time.time() < deadline:
+        time.sleep(0.1)
+    job.proc.send_signal(signal.SIGTERM)
+    assert_preempted(job, tmp_path / "out", code=LAUNCHER_FAILED)
 
 
 def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line(image_data, tmp_path):
