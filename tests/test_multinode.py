@@ -4,12 +4,14 @@ see different files: a problem only one node has is reported by that node, ranks
 checkpoints stop with one line on each node, and two nodes train exactly as two processes on one. Elastic
 jobs (--nnodes=1:2 --max-restarts=3, as the README's "Nodes come and go" starts them): a node lost mid-epoch
 leaves the other to finish alone, a node added mid-epoch makes both go on together, from the same step."""
+import contextlib
 import re
 import shutil
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import (EPOCHS, FAST, LOOP, RESUME, ROOT, TORCHRUN_CMD, Job, assert_same_loop, assert_same_run,
@@ -70,6 +72,24 @@ def elastic_node(endpoint, data, out, host=False):
                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
+def hold_before_the_first_step(job):
+    """Freezes (SIGSTOP) the second training-loader worker of `job`'s training process as soon as it is forked, idle,
+    at start-up (the training loader's two workers come first): the process then waits for that worker's batch, the
+    second, before its first step (the prefetcher holds one batch ahead), and the job stands still in epoch 0
+    however long the test takes to act (an epoch of these runs lasts about half a second, too short to hit from
+    the test's side). Returns the worker, for the test to resume."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        with contextlib.suppress(psutil.Error):
+            trainers = [p for p in job.processes() if "RANK" in p.environ() and "RANK" not in p.parent().environ()]
+            workers = sorted(trainers[0].children(), key=lambda p: (p.create_time(), p.pid)) if trainers else []
+            if len(workers) >= 2:
+                workers[1].suspend()
+                return workers[1]
+        time.sleep(0.02)
+    job.give_up("its training process forked no loader workers within 120 s")
+
+
 def pending_signals(process):
     """The signals sent to `process` and not yet handled (it is stopped, say), as a bit mask: 1 << (signum - 1)."""
     status = Path(f"/proc/{process.pid}/status").read_text()
@@ -105,10 +125,11 @@ def test_a_node_lost_mid_epoch_leaves_the_other_to_finish_at_world_size_1(lost, 
     ended) and is restarted alone, from the last checkpoint (none in this one-epoch run: from the start)."""
     endpoint = f"127.0.0.1:{free_port()}"
     node0, node1 = (elastic_node(endpoint, image_data, tmp_path, host=node == 0) for node in (0, 1))
-    rank0 = wait_for_line_in_either([node0, node1], "world size 2,")
-    rank0.wait_for_line("Epoch 0 [ 3/12]")
+    held = hold_before_the_first_step(node1)
+    rank0 = wait_for_line_in_either([node0, node1], "world size 2,")  # both ranks past start-up, held at step 0
     if lost == "agent":
         node1.proc.kill()
+        held.resume()  # node 1's training process, signalled by the kernel, goes on to stop with node 0's
         node1.finish(timeout=60)  # its training process is gone too (Job.finish checks)
     else:
         node1.kill()
@@ -119,11 +140,13 @@ def test_a_node_lost_mid_epoch_leaves_the_other_to_finish_at_world_size_1(lost, 
 
 def test_a_node_joining_mid_epoch_makes_both_go_on_at_world_size_2(image_data, tmp_path, loop_reference):
     """Node 1 starts while node 0 trains alone: node 0's agent stops its process (SIGTERM), which saves, and both
-    nodes' agents start theirs at world size 2, which resume from there. Node 0's process is held (SIGSTOP) until
-    its agent has asked it to stop, as if its steps took as long as real ones: the join lands mid-epoch."""
+    nodes' agents start theirs at world size 2, which resume from there. Node 0's process is held before its first
+    step (its loader's second worker frozen), and then itself (SIGSTOP) until its agent has asked it to stop, as if
+    its steps took as long as real ones: the join lands in epoch 0, and both go on from the step it stopped at."""
     endpoint = f"127.0.0.1:{free_port()}"
     node0 = elastic_node(endpoint, image_data, tmp_path, host=True)
-    node0.wait_for_line("Epoch 0 [ 3/12]")
+    held = hold_before_the_first_step(node0)
+    node0.wait_for_line("world size 1,")
     trainer = node0.process_of_rank(0)
     trainer.suspend()
     node1 = elastic_node(endpoint, image_data, tmp_path)
@@ -132,5 +155,6 @@ def test_a_node_joining_mid_epoch_makes_both_go_on_at_world_size_2(image_data, t
         assert time.time() < deadline, node0.output + "".join(node1.lines)
         time.sleep(0.2)
     trainer.resume()
+    held.resume()
     assert_finished_as_the_reference(node0, tmp_path, loop_reference, "1 -> 2")
     ok(node1)
