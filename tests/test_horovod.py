@@ -96,7 +96,9 @@ def test_a_signal_to_horovodrun_ends_in_the_preemption_checkpoint_with_loader_wo
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.send_signal(signum)
     job.finish(timeout=120)
-    assert job.returncode == (LAUNCHER_FAILED if signum == signal.SIGTERM else -signum), job.output
+    # horovodrun: 1, or 0 when its own shutdown races (the thread that stops a rank reaps the rank's shell before the
+    # middleman's Popen.wait does, which then reads 0: seen once in CI); the checkpoint below is what counts
+    assert job.returncode in ((LAUNCHER_FAILED, 0) if signum == signal.SIGTERM else (-signum,)), job.output
     ckpt = load(tmp_path / "checkpoint.pth.tar")
     assert (ckpt["epoch"], ckpt["world_size"]) == (0, 2) and 0 < ckpt["step"] < 12, job.output
     if signum == signal.SIGTERM:
