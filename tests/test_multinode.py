@@ -140,13 +140,11 @@ def test_a_node_lost_mid_epoch_leaves_the_other_to_finish_at_world_size_1(lost, 
 
 def test_a_node_joining_mid_epoch_makes_both_go_on_at_world_size_2(image_data, tmp_path, loop_reference):
     """Node 1 starts while node 0 trains alone: node 0's agent stops its process (SIGTERM), which saves, and both
-    nodes' agents start theirs at world size 2, which resume from there. Node 0's process is held before its first
-    step (its loader's second worker frozen), and then itself (SIGSTOP) until its agent has asked it to stop, as if
-    its steps took as long as real ones: the join lands in epoch 0, and both go on from the step it stopped at."""
+    nodes' agents start theirs at world size 2, which resume from there. Node 0's process is held (SIGSTOP) until
+    its agent has asked it to stop, as if its steps took as long as real ones: the join lands mid-epoch."""
     endpoint = f"127.0.0.1:{free_port()}"
     node0 = elastic_node(endpoint, image_data, tmp_path, host=True)
-    held = hold_before_the_first_step(node0)
-    node0.wait_for_line("world size 1,")
+    node0.wait_for_line("Epoch 0 [ 3/12]")
     trainer = node0.process_of_rank(0)
     trainer.suspend()
     node1 = elastic_node(endpoint, image_data, tmp_path)
@@ -155,6 +153,5 @@ def test_a_node_joining_mid_epoch_makes_both_go_on_at_world_size_2(image_data, t
         assert time.time() < deadline, node0.output + "".join(node1.lines)
         time.sleep(0.2)
     trainer.resume()
-    held.resume()
     assert_finished_as_the_reference(node0, tmp_path, loop_reference, "1 -> 2")
     ok(node1)
