@@ -93,7 +93,7 @@ def parse_args(argv=None):
     add("--dummy-size", type=in_range(int, 1), default=1280, metavar="N", help="--dummy's training images")  # [dummy]
     add("-a", "--arch", default="resnet18", metavar="ARCH",
         help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
-    add("--pretrained", action="store_true", help="start from the model's default torchvision weights")
+    add("--pretrained", action="store_true", help="start from the model's default torchvision weights")  # [pretrained]
     add("--dropout", type=in_range(float, 0, below=1), default=None, help="for models that take one (0: off)")
     add("--num-classes", type=in_range(int, 1), default=None, metavar="N", help="default: the train set's")
     add("-j", "--workers", type=in_range(int, 0), default=4, help="data loading processes per training process")
@@ -103,7 +103,7 @@ def parse_args(argv=None):
     add("--lr", type=in_range(float, 0), default=None, help="for the global batch (default: SGD 0.1, AdamW 0.001)")
     add("--momentum", type=in_range(float, 0, below=1), default=0.9, help="SGD's momentum")
     add("--wd", "--weight-decay", type=in_range(float, 0), default=1e-4, dest="weight_decay")
-    add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")
+    add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")  # [no-wd]
     add("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step")
     add("--lr-step", type=in_range(int, 1), default=30, help="epochs between step decays")
     add("--warmup-epochs", type=in_range(float, 0), default=0.0, help="linear warmup from 0 to --lr")
@@ -203,43 +203,34 @@ def expand_hostlist(hostlist):
 def build_model(args, num_classes, load_weights=True):
     """The model: an nn.Module mapping a batch of inputs (on the device; images as normalized floats) to num_classes
     logits. Edit this and build_datasets for your own model and data, nothing else. Here a torchvision model, or with
-    --arch MODULE:FUNCTION your FUNCTION(num_classes=N). --pretrained loads the default weights into every layer whose
-    shape fits (for fewer classes, all but the classifier: fine-tuning), unless load_weights=False (check_model)."""
+    --arch MODULE:FUNCTION your FUNCTION(num_classes=N); load_weights=False: no --pretrained weights (check_model)."""
     options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
     if ":" in args.arch:  # [spec]
         model = call_spec(args.arch, "--arch", **options)  # [spec]
         if not isinstance(model, torch.nn.Module):  # [spec]
             raise UserError(f"--arch {args.arch} returned a {type(model).__name__}, not a torch.nn.Module")  # [spec]
         return model  # [spec]
-    weights = torchvision.models.get_model_weights(args.arch).DEFAULT if args.pretrained else None
     if args.arch in ("googlenet", "inception_v3"):
         # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
         # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
         options.update(aux_logits=False, init_weights=True, transform_input=True)
-    if weights is not None and args.arch.startswith("vit_"):  # a ViT takes one image size: the one of its weights
-        options["image_size"] = weights.meta["min_size"][0]  # (518 for vit_h_14's)
+    if args.pretrained and args.arch.startswith("vit_"):  # [pretrained]
+        weights = torchvision.models.get_model_weights(args.arch).DEFAULT  # [pretrained]
+        options["image_size"] = weights.meta["min_size"][0]  # [pretrained]
     try:
         model = torchvision.models.get_model(args.arch, **options)
     except TypeError as e:
         raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
-    if weights is not None and load_weights:
-        try:
-            pretrained = weights.get_state_dict(progress=False)
-        except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
-            raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
-                            f"the file into $TORCH_HOME/hub/checkpoints/") from None
-        own = model.state_dict()  # the auxiliary classifiers' weights have no place in it
-        model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape},
-                              strict=False)
+    if args.pretrained and load_weights:  # [pretrained]
+        load_pretrained(model, args)  # [pretrained]
     return model
 
 
 def build_datasets(args):
     """(train set, validation set), map-style datasets of (input, label): edit this and build_model for your own data
     and model. A label is an integer from 0 to N-1 (N: --num-classes, or the train set's num_classes or len(classes));
-    an input a uint8 image, CxHxW (RGB, gray, or as many channels as the set's mean and std), which the Prefetcher
-    normalizes on the device, or any other tensor, passed on unchanged. Here: ImageFolder, --dummy, or --dataset
-    MODULE:FUNCTION's FUNCTION(args), its uint8 images cropped alike."""
+    an input a uint8 CxHxW image (RGB, gray, or as many channels as the set's mean and std), normalized on the
+    device, or any other tensor, passed on unchanged. Here: ImageFolder, --dummy, or --dataset's FUNCTION(args)."""
     train_tf = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
     train_tf = RandomResizedCropFlip(args.crop_size)  # [fast-crop]
     val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
@@ -252,20 +243,23 @@ def build_datasets(args):
     if args.dummy:  # [dummy]
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),  # [dummy]
                 SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))  # [dummy]
-    if not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, or --dummy")
+    if not (args.data and os.path.isdir(args.data)):  # [safety]
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ "  # [safety]
+                        f"inside, or --dummy")  # [safety]
     sets = []
     for split, tf in (("train", train_tf), ("val", val_tf)):
         root = os.path.join(args.data, split)
-        if not os.path.isdir(root):
-            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
+        if not os.path.isdir(root):  # [safety]
+            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")  # [safety]
         try:
             sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
         except FileNotFoundError as e:
             raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs at least one image") from None
-    if sets[0].classes != sets[1].classes:
-        raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")
+    if sets[0].classes != sets[1].classes:  # [safety]
+        raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")  # [safety]
     return sets
+
+
 # =============================================================================================
 # The launcher part: Slurm, the process group, DDP. Every sibling defines these names, with
 # these parameters, its own way: find_processes, check_launch_args, start_process_group,
@@ -328,11 +322,9 @@ def start_process_group(args, rank, world_size, device, log):
 
 
 def end_process_group():
-    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it). Nothing else may
-    hold it: the preemption handlers go first (the run is over: a stop request is ignored from now on, so a rank that
-    srun --kill-on-bad-exit signals once a peer exits 75 exits 75 too), a collection frees what reference cycles keep
-    (FSDP's weights, whose device mesh holds the group: 4 aborts in 48 runs without it), and torch._dynamo is imported
-    at the top (torch 2.14 keeps a group that exists when it is first imported)."""
+    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it), once nothing
+    else holds it: stop requests are ignored from now on (srun signals the rest once a rank exits 75), a collection
+    frees reference cycles (FSDP's device mesh holds the group), and torch._dynamo is imported at the top."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     gc.collect()
@@ -786,22 +778,12 @@ def join_process_group(args, store, rank, world_size, device):
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
 
 
-def param_groups(model, args):
-    if not args.no_wd_norm_bias:
-        return [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
-    norm_types = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
-    decay, no_decay = [], []
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            (no_decay if isinstance(module, norm_types) or name == "bias" else decay).append(param)
-    return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def new_optimizer(model, args):
     """--opt: SGD with momentum, or AdamW; fused, the CPU included (one kernel, which takes GradScaler's inf check on
     the device), but SGD foreach for FSDP's DTensors (no sharding rule). SGD's momentum starts as zeros: a first step
     GradScaler skips then leaves it so (fused SGD's own, made at the first step, would stay unfilled)."""
-    groups = param_groups(model, args)
+    groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+    groups = param_groups(model, args) if args.no_wd_norm_bias else groups  # [no-wd]
     if args.opt == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, fused=True)
     params = [p for group in groups for p in group["params"]]
@@ -1090,27 +1072,23 @@ def resume_path(args):
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
-    if args.resume and not os.path.exists(args.resume):
-        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
+    if args.resume and not os.path.exists(args.resume):  # [safety]
+        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or "  # [safety]
+                        f"--resume auto")  # [safety]
     return args.resume or None
 
 
 def read_checkpoint(path):
     """The file's content, on the CPU (set_rng_state takes CPU tensors; load_state_dict copies to the device itself;
     a copy on the GPU would hold a model's worth of its memory)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
-                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_checkpoint(path):
     """The checkpoint, checked to be a training checkpoint, its weights without a wrapper's prefix."""
     ckpt = read_checkpoint(path)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:  # [safety]
+        raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")  # [safety]
     # a DDP or DataParallel wrapper's prefix, torch.compile's (nanoGPT saves it), or both in either order
     for prefix in ("module.", "_orig_mod.", "module."):
         consume_prefix_in_state_dict_if_present(ckpt["state_dict"], prefix)
@@ -1147,7 +1125,37 @@ class ModelEMA:
         if state is None:
             log("note: the checkpoint has no --model-ema average: it starts from the resumed weights")
         self.module.load_state_dict(model.state_dict() if state is None else state)
+
+
 # endregion [ema]
+# region [pretrained]: --pretrained: start from torchvision's weights for --arch
+def pretrained_weights(args):
+    """torchvision's default weights for --arch; a ViT takes one image size, theirs (518 for vit_h_14's)."""
+    return torchvision.models.get_model_weights(args.arch).DEFAULT
+# endregion [ema]
+# region [pretrained]: --pretrained: start from torchvision's weights for --arch
+def load_pretrained(model, args):
+    """torchvision's default weights for --arch into every layer whose shape fits: for fewer classes, all but the
+    classifier (fine-tuning). A ViT is built for their image size (build_model)."""
+    weights = torchvision.models.get_model_weights(args.arch).DEFAULT
+    try:
+        pretrained = weights.get_state_dict(progress=False)
+    except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
+        raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
+                        f"the file into $TORCH_HOME/hub/checkpoints/") from None
+    own = model.state_dict()
+    model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape}, strict=False)
+# endregion [pretrained]
+# region [no-wd]: --no-wd-norm-bias: no weight decay on normalization layers and biases
+def param_groups(model, args):
+    """The optimizer's parameter groups: --wd for weights, none for normalization layers and biases."""
+    norm_types = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm)
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            (no_decay if isinstance(module, norm_types) or name == "bias" else decay).append(param)
+    return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+# endregion [no-wd]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""
@@ -1416,10 +1424,9 @@ class SyntheticImages(Dataset):
 # endregion [dummy]
 # region [fast-crop]: the training crop in one step, faster than torchvision's v2 transforms
 class RandomResizedCropFlip:
-    """v2.RandomResizedCrop(size) and v2.RandomHorizontalFlip() in one step, drawn alike from torch's RNG in one
-    call. A uint8 tensor is cut channels-last (decode_jpeg's order) and resized by v2's kernel; a PIL image goes
-    through v2.functional. After a decode, v2's machinery costs about as much as the resize
-    (benchmarks/input_pipeline.py)."""
+    """v2.RandomResizedCrop(size) and v2.RandomHorizontalFlip() in one step, drawn alike from torch's RNG in one call.
+    A uint8 tensor is cut channels-last (decode_jpeg's order) and resized by v2's kernel; a PIL image goes through
+    v2.functional. After a decode, v2's machinery costs about as much as the resize (benchmarks/input_pipeline.py)."""
 
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
         self.size, self.scale, self.ratio = [size, size], scale, ratio
@@ -1584,9 +1591,9 @@ def check_args(args):
         raise UserError("--dummy and --dataset both name the data: give one of them")  # [dummy] [spec]
     if args.dummy and args.data:  # [dummy]
         raise UserError(f"--dummy makes its own data, and {args.data} names a folder: give one of them")  # [dummy]
-    if args.pretrained and ":" in args.arch:
-        raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own model: load "
-                        f"its weights inside {args.arch.split(':')[-1]}, or drop --pretrained")
+    if args.pretrained and ":" in args.arch:  # [pretrained]
+        raise UserError(f"--pretrained loads torchvision's weights, and --arch {args.arch} is your own "  # [pretrained]
+                        f"model: load its weights inside {args.arch.split(':')[-1]}, or drop it")  # [pretrained]
     if args.epochs == 0 and not (args.evaluate or getattr(args, "benchmark", 0)):
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
     if args.val_resize < args.crop_size:
@@ -1638,10 +1645,9 @@ def check_run(args, world_size, device, sets):
 
 
 def check_datasets(sets, args):
-    """Refuses in one line what build_datasets returned (--dataset's function's, or your edit's) if training cannot
-    take it: two map-style, non-empty datasets whose items are (input tensor, integer label), a number of classes
-    (class_count, --num-classes), uint8 inputs that are CxHxW images (C: 3, 1, or as many as its mean's). Reads only
-    the first validation item, whose input it returns with the datasets and the number of classes (check_model)."""
+    """Refuses in one line what build_datasets returned if training cannot take it: two map-style, non-empty datasets
+    of (input tensor, integer label), a number of classes, uint8 inputs that are CxHxW images (C: 3, 1, or as many as
+    its mean's). Reads the first validation item only: returns the datasets, the number of classes and its input."""
     spec = getattr(args, "dataset", None)  # None too where the block spec is cut
     source = f"--dataset {spec}" if spec else "build_datasets"
     if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
@@ -1691,12 +1697,10 @@ def check_datasets(sets, args):
 
 
 def check_model(args, num_classes=1000, example=None):
-    """Refuses, in one line and before any process waits for another, options the model does not take and inputs
-    it cannot train on: `example`, one input of the data (None: an image of --crop-size). One training forward pass
-    on the meta device (shapes only: 0.01-0.8 s) checks the input and the logits' width; for a torchvision model
-    that fails on images, more passes find the --crop-size to name. Your own model gets a verdict only from a torch
-    function that fails on its inputs' shapes and dtypes, not from what meta tensors lack (.item()) or its own code.
-    Returns the model built there (None if it could not be)."""
+    """Refuses, in one line, options the model does not take and inputs it cannot train on (`example`, one input of
+    the data; None: an image of --crop-size), by a training forward pass on the meta device (shapes only: 0.01-0.8 s);
+    for a torchvision model, more passes find the --crop-size to name. Your own model gets a verdict only from a
+    torch function that fails on its inputs' shapes and dtypes. Returns the model built there, or None."""
     image = example is None or example.dtype == torch.uint8  # the Prefetcher makes uint8 images float
     shape = (3, args.crop_size, args.crop_size) if example is None else tuple(example.shape)
     dtype = torch.float32 if image else example.dtype
@@ -1743,8 +1747,8 @@ def check_model(args, num_classes=1000, example=None):
     if fits is None:
         raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason})")
     if failure(fits + 1) is not None:
-        raise UserError(f"--arch {args.arch}{' --pretrained' if args.pretrained else ''} takes {fits}x{fits} images "
-                        f"only: use --crop-size {fits}")
+        weighted = " --pretrained" if getattr(args, "pretrained", False) else ""  # the flag's block may be cut
+        raise UserError(f"--arch {args.arch}{weighted} takes {fits}x{fits} images only: use --crop-size {fits}")
     low = fits - 1 if failure(fits - 1) else 0  # the smallest size that fits lies in (low, fits]; often it is the hint
     while fits - low > 1:
         middle = (low + fits) // 2
@@ -1755,9 +1759,8 @@ def check_model(args, num_classes=1000, example=None):
 
 
 def check_fit(path, ckpt, sets, args):
-    """Refuses, before any process waits for another, a model that does not fit the data (check_model), and a
-    checkpoint that does not fit the command line (its model, dropout, weights, classes): one line that names both
-    sides, not load_state_dict's traceback on every rank. The checkpoint's model first: it says which -a to give."""
+    """Refuses, in one line that names both sides, a model that does not fit the data (check_model) and a checkpoint
+    that does not fit the command line: its model first (it says which -a to give), dropout, weights, classes."""
     arch = ckpt and ckpt.get("arch", args.arch)
     if ckpt and arch not in MODEL_NAMES and ":" not in str(arch):
         raise UserError(f"{path} holds a {arch} model, not a torchvision classification model: it is another "
@@ -1767,16 +1770,12 @@ def check_fit(path, ckpt, sets, args):
     model = check_model(args, *check_datasets(sets, args)[2:])
     if not ckpt or model is None:  # a model the meta device cannot build: load_state_dict says what does not fit
         return
-    trained = ckpt.get("args", {}).get("dropout", args.dropout)
-    if trained != args.dropout and not args.evaluate:
-        said = {value: "the model's own dropout" if value is None else f"--dropout {value}"
-                for value in (trained, args.dropout)}
-        raise UserError(f"{path} was trained with {said[trained]}, this run has {said[args.dropout]}: continue it "
-                        f"with {said[trained]}, or train without --resume")
-    trained = ckpt.get("args", {}).get("opt", "sgd")  # checkpoints from before --opt: SGD's
-    if trained != args.opt and not args.evaluate:
-        raise UserError(f"{path} was trained with --opt {trained}, this run has --opt {args.opt}: continue it with "
-                        f"--opt {trained}, or train without --resume")
+    for flag, default in (("dropout", args.dropout), ("opt", "sgd")):  # checkpoints from before --opt: SGD's
+        trained, given = ckpt.get("args", {}).get(flag, default), getattr(args, flag)
+        said = {v: "the model's own dropout" if v is None else f"--{flag} {v}" for v in (trained, given)}
+        if trained != given and not args.evaluate:
+            raise UserError(f"{path} was trained with {said[trained]}, this run has {said[given]}: continue it with "
+                            f"{said[trained]}, or train without --resume")
     own, saved = getattr(model, "_orig_mod", model).state_dict(), ckpt["state_dict"]  # as RunState saves them
     missing, unknown = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
     if missing or unknown:
@@ -1834,6 +1833,18 @@ def explain_failed_save(save_checkpoint):
     return save
 
 
+def explain_unreadable(read_checkpoint):
+    """read_checkpoint; a file it cannot read (truncated, corrupt, not a torch file) stops the run in one line."""
+    def read(path):
+        try:
+            return read_checkpoint(path)
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; resume from "
+                            f"another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+    return read
+
+
 def check_same_checkpoint(views):
     """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
     if len(set(views)) > 1:
@@ -1845,9 +1856,8 @@ def check_same_checkpoint(views):
 
 
 def check_items(samples, num_classes):
-    """One line, from the rank whose loader met them, for items that cannot make one batch: check_datasets read
-    a single item, and a dataset may return others unlike it (a row cut short, an image of another size, a label
-    past the class count, which would crash cross_entropy, on a GPU with a device-side assert)."""
+    """One line, from the rank whose loader met them, for items unlike check_datasets' one that cannot make a batch:
+    a row cut short, an image of another size, a label past the class count (a GPU's device-side assert)."""
 
     def fits(label):
         try:
@@ -1881,11 +1891,9 @@ PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken
 
 
 def explain_failure(error, args):
-    """What to raise for an error that ends training on this rank: a failure on some rank mid-run becomes one
-    line (RankError) on each rank that meets it, the cause on the rank where it happened, "a peer ended" on the
-    others. A collective that timed out (a rank stopped answering), one that lost its peer (gloo, NCCL, Horovod), a
-    DataLoader worker killed (the out-of-memory killer, mostly), NCCL failing here (out of memory, shared memory, a
-    bug: what NCCL says, and what to do); any other error stays itself, traceback and all."""
+    """What to raise for an error that ends training on this rank: one line (RankError) on each rank that meets it,
+    the cause where it happened and "a peer ended" elsewhere, for a collective that timed out or lost its peer, a
+    DataLoader worker killed, NCCL failing here; any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
     if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
@@ -2032,6 +2040,7 @@ def claim_output_dir(args, rank, log):
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
 save_checkpoint = explain_failed_save(save_checkpoint)
+read_checkpoint = explain_unreadable(read_checkpoint)
 # endregion [safety]
 
 

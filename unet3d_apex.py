@@ -136,26 +136,18 @@ def build_datasets(args):
 # end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
 # wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
 # =============================================================================================
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
     without it. local_index: the process's index on its node, where the script starts the processes itself."""
-    present = [v for v in TORCHRUN_VARS if v in os.environ]
-    if set(present) & {"RANK", "LOCAL_RANK", "WORLD_SIZE"} and len(present) < len(TORCHRUN_VARS):
-        # exported by hand or left from another job (an address alone is harmless); no launcher: this one reports
-        raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in TORCHRUN_VARS if v not in present)}:"
-                        f" start the script with torchrun, or unset them to run one process")
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # [preemption]
         die_with_parent(signal.SIGTERM)  # [preemption]
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise RankError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                        f"start at most that many processes per node (--nproc_per_node)")
+    if local_rank >= torch.cuda.device_count():  # [safety]
+        raise RankError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "  # [safety]
+                        f"start at most that many processes per node (--nproc_per_node)")  # [safety]
     torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", local_rank)
 
@@ -166,22 +158,18 @@ def check_launch_args(args, world_size, device):
 
 def start_process_group(args, rank, world_size, device, log):
     """Starts the process group (none for one process); returns the CPU group for preemption, or None."""
+    check_torchrun(log)  # [safety]
     if "WORLD_SIZE" not in os.environ:
         return None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
-            "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # torchrun's store
     return join_process_group(args, store, rank, world_size, device)
 
 
 def end_process_group():
-    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it). Nothing else may
-    hold it: the preemption handlers go first (the run is over: a stop request is ignored from now on, so a rank that
-    srun --kill-on-bad-exit signals once a peer exits 75 exits 75 too), a collection frees what reference cycles keep
-    (FSDP's weights, whose device mesh holds the group: 4 aborts in 48 runs without it), and torch._dynamo is imported
-    at the top (torch 2.14 keeps a group that exists when it is first imported)."""
+    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it), once nothing
+    else holds it: stop requests are ignored from now on (srun signals the rest once a rank exits 75), a collection
+    frees reference cycles (FSDP's device mesh holds the group), and torch._dynamo is imported at the top."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     gc.collect()
@@ -837,20 +825,16 @@ def resume_path(args):
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
-    if args.resume and not os.path.exists(args.resume):
-        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or --resume auto")
+    if args.resume and not os.path.exists(args.resume):  # [safety]
+        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or "  # [safety]
+                        f"--resume auto")  # [safety]
     return args.resume or None
 
 
 def read_checkpoint(path):
     """The file's content, on the CPU (set_rng_state takes CPU tensors; load_state_dict copies to the device itself;
     a copy on the GPU would hold a model's worth of its memory)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, a folder, not a torch file: all mean the same to the user
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; "
-                        f"resume from another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_checkpoint(path, config):
@@ -1136,6 +1120,19 @@ def write_epoch(row, writer, output_dir):
 # Keep it, or delete it whole: its region and every line tagged [safety].
 # =============================================================================================
 # region [safety]
+def check_torchrun(log):
+    """torchrun's variables, some set by hand or left from another job (an address alone is harmless), and
+    --max-restarts with the rendezvous store shared with the workers (pytorch/pytorch#135712)."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    present = [v for v in names if v in os.environ]
+    if set(present) & {"RANK", "LOCAL_RANK", "WORLD_SIZE"} and len(present) < len(names):
+        raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in names if v not in present)}:"
+                        f" start the script with torchrun, or unset them to run one process")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
+            "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
+
+
 def check_args(args):
     """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
     checked here, right after parsing, before any process waits for another."""
@@ -1198,6 +1195,18 @@ def explain_failed_save(save_checkpoint):
     return save
 
 
+def explain_unreadable(read_checkpoint):
+    """read_checkpoint; a file it cannot read (truncated, corrupt, not a torch file) stops the run in one line."""
+    def read(path):
+        try:
+            return read_checkpoint(path)
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; resume from "
+                            f"another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
+    return read
+
+
 def check_same_checkpoint(views):
     """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
     if len(set(views)) > 1:
@@ -1221,11 +1230,9 @@ PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken
 
 
 def explain_failure(error, args):
-    """What to raise for an error that ends training on this rank: a failure on some rank mid-run becomes one
-    line (RankError) on each rank that meets it, the cause on the rank where it happened, "a peer ended" on the
-    others. A collective that timed out (a rank stopped answering), one that lost its peer (gloo, NCCL, Horovod), a
-    DataLoader worker killed (the out-of-memory killer, mostly), NCCL failing here (out of memory, shared memory, a
-    bug: what NCCL says, and what to do); any other error stays itself, traceback and all."""
+    """What to raise for an error that ends training on this rank: one line (RankError) on each rank that meets it,
+    the cause where it happened and "a peer ended" elsewhere, for a collective that timed out or lost its peer, a
+    DataLoader worker killed, NCCL failing here; any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
     if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
@@ -1372,6 +1379,7 @@ def claim_output_dir(args, rank, log):
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
 main_worker = safety_net(main_worker)
 save_checkpoint = explain_failed_save(save_checkpoint)
+read_checkpoint = explain_unreadable(read_checkpoint)
 # endregion [safety]
 
 

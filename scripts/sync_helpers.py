@@ -26,19 +26,19 @@ INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process
 FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 # the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
 SEAMS = ["build_model", "build_datasets"]
-NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group", "param_groups",
+NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group",
          "new_optimizer", "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
-FEATURES = ["ModelEMA", "span_union", "span_common", "StepProfiler", "benchmark", "memory_use", "PREEMPTED",
-            "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop", "set_tf32",
-            "SyntheticImages", "RandomResizedCropFlip", "DeviceDecoded", "load_spec", "call_spec", "ImageCrops",
-            "open_writer", "write_epoch"]
-SAFETY = ["check_args", "FOREIGN_FLAGS", "add_foreign_flags", "check_run", "check_datasets", "check_model", "check_fit",
-          "check_shared_gpus", "explain_failed_save", "check_same_checkpoint", "check_items", "check_finite",
-          "PEER_GONE", "explain_failure", "safety_net",
-          "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
+FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "span_union", "span_common",
+            "StepProfiler", "benchmark", "memory_use", "PREEMPTED", "Preemption", "start_loader_worker",
+            "die_with_parent", "print_or_drop", "set_tf32", "SyntheticImages", "RandomResizedCropFlip", "DeviceDecoded",
+            "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
+SAFETY = ["check_torchrun", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
+          "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus", "explain_failed_save",
+          "explain_unreadable", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE", "explain_failure",
+          "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
@@ -61,11 +61,15 @@ OWN = {
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
                        "check_finite", "evaluate", "build_datasets", "build_loaders", "load_checkpoint"},
 }
-# shared names a sibling has no use for: no process group of torch.distributed's
-NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus"},
-               "horovod_distributed.py": {"join_process_group", "check_shared_gpus"},
+# shared names a sibling has no use for: no process group of torch.distributed's, no torchrun
+TORCHRUN_CHECKS = {"check_torchrun"}
+NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", *TORCHRUN_CHECKS},
+               "horovod_distributed.py": {"join_process_group", "check_shared_gpus", *TORCHRUN_CHECKS},
+               "multiprocessing_distributed.py": TORCHRUN_CHECKS,
+               "distributed_slurm_main.py": TORCHRUN_CHECKS,
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
-                                  "check_model", "build_model", "param_groups", "new_optimizer",
+                                  "check_model", "build_model", "param_groups",
+                                  "load_pretrained", "new_optimizer",
                                   "lr_factor", "check_run", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
                                   "NORMALIZE", "SyntheticImages", "load_image", "DeviceDecoded",
