@@ -16,10 +16,9 @@ serves on --dist-url (it counts arriving ranks); and the parent, not torchrun, s
 one fails or on Ctrl-C, and forwards SIGTERM / SIGUSR1 to them. -b is the global batch: each of W
 processes gets b = B / W.
 
-Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line,
-build_model and build_datasets (edit these two for your own model and data), the launcher part, the training
-flow (main -> main_worker -> train_one_epoch / evaluate) and what every run needs. Part 2 holds the optional
-features, a block each; part 3 is the safety net: checks, and failures told in one line.
+Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line, the two
+functions to edit for your own model and data, the launcher part, the training flow (main -> main_worker ->
+train_one_epoch / evaluate) and what every run needs. Part 2: optional features, a block each. Part 3: the safety net.
 
 Every block of parts 2 and 3 lies between a line `# region [NAME]` and a line `# endregion [NAME]`, and every
 line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a
@@ -67,11 +66,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, d
 from torch.utils.tensorboard import SummaryWriter  # [logs]
 from torchvision.transforms import v2
 
-try:  # JPEGs: libjpeg-turbo through torchcodec, for which torchvision deprecates its own decoders; else PIL
-    from torchcodec.decoders import decode_jpeg
-    JPEG_DECODER = "torchcodec"
-except (ImportError, OSError, RuntimeError) as e:  # not installed, or its library does not load
-    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({e}); pip install torchcodec"
+try:  # [fast-decode]
+    from torchcodec.decoders import decode_jpeg  # [fast-decode]
+    JPEG_DECODER = "torchcodec"  # [fast-decode]
+except (ImportError, OSError, RuntimeError) as e:  # [fast-decode]
+    why = f"torchcodec did not load ({e}); pip install torchcodec"  # [fast-decode]
+    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: {why}"  # [fast-decode]
 
 
 # =============================================================================================
@@ -268,10 +268,8 @@ def build_datasets(args):
 
 
 # =============================================================================================
-# The launcher part: spawn, the process group, DDP. Every sibling defines these names, with
-# these parameters, its own way: find_processes, check_launch_args, start_process_group,
-# end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
-# wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
+# The launcher part: spawn, the process group, DDP. Every sibling defines these names (find_processes to
+# sum_async), with these parameters, its own way: README, How every script reads, has them side by side.
 # =============================================================================================
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from the command line, nodes x processes per
@@ -328,8 +326,7 @@ def describe_processes(args, world_size, device, group):
 
 
 def prepare_model(model, args, device, log):
-    """The model on this process's device, its 4-D weights channels-last with --channels-last; --sync-bn:
-    SyncBatchNorm layers."""
+    """The model on this process's device, 4-D weights channels-last (--channels-last), SyncBatchNorm (--sync-bn)."""
     if args.sync_bn and device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif args.sync_bn:
@@ -494,8 +491,7 @@ def worker(local_index, args):
 
 
 def main_worker(args, local_index=None):
-    """One training process, from finding its peers to its last checkpoint; returns None, or the exit code of a run
-    stopped early (PREEMPTED)."""
+    """One training process, from finding its peers to its last checkpoint; returns None, or PREEMPTED if stopped."""
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
@@ -522,9 +518,10 @@ def main_worker(args, local_index=None):
     group = start_process_group(args, rank, world_size, device, log)
     preemption.group = group  # [preemption]
     check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
-    log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, "
-        f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples"
-        + (f", JPEGs decoded by {JPEG_DECODER}" if getattr(train_set, "loader", None) is load_image else ""))
+    data = f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples"
+    if getattr(train_set, "loader", None) is load_image:  # [fast-decode]
+        data += f", JPEGs decoded by {JPEG_DECODER}"  # [fast-decode]
+    log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, {data}")
     set_tf32(args, device, log)  # [tf32]
 
     model = prepare_model(model, args, device, log)
@@ -790,14 +787,11 @@ NORMALIZE = {3: ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 1: ((0.449,), (0
 
 
 def load_image(path):
-    """The image as an RGB uint8 CxHxW tensor. JPEGs go through torchcodec; what it cannot take (a PNG named .JPEG,
-    a file cut short) and every JPEG without it go through PIL: the same libjpeg-turbo, the same pixels (tested)."""
+    """The image as an RGB uint8 CxHxW tensor, decoded by PIL (JPEGs by torchcodec: decode_file)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-        if decode_jpeg and data[:2] == b"\xff\xd8":
-            with contextlib.suppress(RuntimeError):
-                return decode_jpeg(data)
+        image = decode_file(path)  # [fast-decode]
+        if image is not None:  # [fast-decode]
+            return image  # [fast-decode]
         with Image.open(path) as img:
             return v2.functional.pil_to_tensor(img.convert("RGB"))
     except Exception as e:  # missing, cut short, not an image, too large for PIL (a decompression bomb): the file's
@@ -959,8 +953,7 @@ def accuracy(output, target, topk=(1, 5)):
 
 
 class Metrics:
-    """Running sums on the device (loss, correct@1, correct@5, count, non-finite losses, clipped samples), which never
-    wait for the GPU; `summary` reduces them over all ranks."""
+    """Running sums on the device, which never wait for the GPU; `summary` reduces them over all ranks."""
 
     def __init__(self, device):
         self.sums = torch.zeros(6, dtype=torch.float64, device=device)
@@ -1048,8 +1041,7 @@ def resume_path(args):
 
 
 def read_checkpoint(path):
-    """The file's content, on the CPU (set_rng_state takes CPU tensors; load_state_dict copies to the device itself;
-    a copy on the GPU would hold a model's worth of its memory)."""
+    """The file's content on the CPU: set_rng_state takes CPU tensors; load_state_dict copies to the device itself."""
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -1094,18 +1086,10 @@ class ModelEMA:
         if state is None:
             log("note: the checkpoint has no --model-ema average: it starts from the resumed weights")
         self.module.load_state_dict(model.state_dict() if state is None else state)
-
-
-# endregion [ema]
-# region [pretrained]: --pretrained: start from torchvision's weights for --arch
-def pretrained_weights(args):
-    """torchvision's default weights for --arch; a ViT takes one image size, theirs (518 for vit_h_14's)."""
-    return torchvision.models.get_model_weights(args.arch).DEFAULT
 # endregion [ema]
 # region [pretrained]: --pretrained: start from torchvision's weights for --arch
 def load_pretrained(model, args):
-    """torchvision's default weights for --arch into every layer whose shape fits: for fewer classes, all but the
-    classifier (fine-tuning). A ViT is built for their image size (build_model)."""
+    """torchvision's weights for --arch into every layer whose shape fits: for fewer classes, all but the classifier."""
     weights = torchvision.models.get_model_weights(args.arch).DEFAULT
     try:
         pretrained = weights.get_state_dict(progress=False)
@@ -1250,8 +1234,7 @@ class StepProfiler:
 # endregion [profile]
 # region [benchmark]: --benchmark N: the training speed without the input pipeline
 def benchmark(run, args, world_size, log, val_set):
-    """--benchmark: model, step and all-reduce without the input pipeline, on synthetic batches on the device (of
-    --crop-size; with your own inputs, the first validation input repeated)."""
+    """Model, step and all-reduce on batches made on the device: random images, or the first validation input."""
     device, local_batch = next(run.model.parameters()).device, args.batch_size // world_size
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     example = val_set[0][0]
@@ -1272,8 +1255,7 @@ def benchmark(run, args, world_size, log, val_set):
 
 
 def memory_use(run, device):
-    """This process's memory: what it holds of the weights, their gradients and the optimizer state (a sharded
-    model's shards only), and its peak: the GPU's allocations, or on the CPU the whole process (Python too)."""
+    """This process's weights, gradients and optimizer state (a sharded model's shards), and its peak (CPU: the RSS)."""
     params = list(run.model.parameters())
     state = [value for per_param in run.optimizer.state.values() for value in per_param.values()
              if isinstance(value, torch.Tensor)]
@@ -1304,8 +1286,7 @@ class Preemption:
         self.requested, Preemption.signum = True, signum
 
     def agreed(self, now=False):
-        """Called by every rank at every step: True on all ranks at the same step, the one after the signal; now: at
-        once, blocking (at the end of an epoch)."""
+        """Every rank, every step: True on all ranks at one step, the one after the signal; now: at once, blocking."""
         if self.group is None:
             return self.requested
         if self.wait is not None:
@@ -1322,8 +1303,8 @@ class Preemption:
         return self.flag.item() > 0
 
     def stop(self, run, args, rank, log, where, saved=False):
-        """Every rank: saves where the run stopped, unless it just did, and waits until all have (a launcher stops
-        the rest once one process exits non-zero); returns the exit code PREEMPTED."""
+        """Every rank saves where it stopped (unless it just did), then waits for all: a launcher stops the rest once
+        one exits non-zero. Returns PREEMPTED."""
         if not saved:
             run.save(args, rank, is_best=False)
         if self.group is not None:
@@ -1360,8 +1341,7 @@ def print_or_drop(*values):
 # endregion [preemption]
 # region [tf32]: --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs
 def set_tf32(args, device, log):
-    """TF32: fp32 matmuls and convolutions on Ampere's and later tensor cores, with a 10-bit mantissa: several times
-    faster, accurate enough to train. On unless --no-tf32."""
+    """TF32 on Ampere and later: fp32 matmuls and convolutions with a 10-bit mantissa, several times faster; or not."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not args.no_tf32
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         log(f"TF32: not on {'this GPU (before Ampere)' if device.type == 'cuda' else 'the CPU'}: full fp32")
@@ -1391,6 +1371,20 @@ class SyntheticImages(Dataset):
         img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
         return self.transform(img.clamp(0, 255).to(torch.uint8)), target
 # endregion [dummy]
+# region [fast-decode]: JPEGs decoded by torchcodec (libjpeg-turbo, without PIL's overhead) where it loads
+def decode_file(path):
+    """The JPEG at `path` as an RGB uint8 CxHxW tensor, decoded by torchcodec; None for what it cannot take (a PNG
+    named .JPEG, a file cut short) and where it does not load: PIL decodes those (load_image), to the same pixels."""
+    if decode_jpeg is None:
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] != b"\xff\xd8":
+        return None
+    with contextlib.suppress(RuntimeError):
+        return decode_jpeg(data)
+    return None
+# endregion [fast-decode]
 # region [fast-crop]: the training crop in one step, faster than torchvision's v2 transforms
 class RandomResizedCropFlip:
     """v2.RandomResizedCrop(size) and v2.RandomHorizontalFlip() in one step, drawn alike from torch's RNG in one call.
@@ -1435,12 +1429,14 @@ class DeviceDecoded(Dataset):
     the samplers': TrainSampler's (index, seed) pairs, whose seed draws the crop as SeededSamples does, or indices."""
 
     def __init__(self, dataset):
-        if decode_jpeg is None:
-            raise UserError(f"--gpu-decode needs torchcodec; JPEGs are decoded by {JPEG_DECODER}")
+        try:
+            from torchcodec.decoders import decode_jpeg
+        except (ImportError, OSError, RuntimeError) as e:  # not installed, or its library does not load
+            raise UserError(f"--gpu-decode needs torchcodec, which did not load ({e}): pip install it") from None
         if getattr(dataset, "loader", None) is not load_image:
             raise UserError("--gpu-decode decodes image folders (DATA/train, DATA/val); this data is not one: leave "
                             "--gpu-decode out")
-        self.dataset = dataset
+        self.dataset, self.decode_jpeg = dataset, decode_jpeg
 
     def __len__(self):
         return len(self.dataset)
@@ -1459,7 +1455,7 @@ class DeviceDecoded(Dataset):
     def decode(self, batch, device):
         data, seeds, paths = batch
         try:
-            images = decode_jpeg(data, device=device)
+            images = self.decode_jpeg(data, device=device)
         except RuntimeError:  # a file it cannot take (a PNG named .JPEG, say) in the batch: load_image decodes it
             images = [load_image(path).to(device) for path in paths]
         crops = []
@@ -1502,8 +1498,7 @@ def call_spec(spec, flag, *args, **kwargs):
 
 
 class ImageCrops(Dataset):
-    """A --dataset's set, its uint8 images cropped by `transform` (--crop-size, as ImageFolder's); any other input
-    passes unchanged. Its number of classes and normalization (mean, std) are the dataset's."""
+    """A --dataset's set, its uint8 CxHxW images cropped by `transform`; its class count and (mean, std) its own."""
 
     def __init__(self, dataset, transform):
         self.dataset, self.transform, self.num_classes = dataset, transform, class_count(dataset)
@@ -1519,8 +1514,7 @@ class ImageCrops(Dataset):
 # endregion [spec]
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
-    """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
-    further are purged); None on other ranks."""
+    """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on."""
     if rank != 0:
         return None
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
@@ -1587,8 +1581,7 @@ FOREIGN_FLAGS = {  # other scripts' flags that users bring along, and what this 
 
 
 def add_foreign_flags(parser):
-    """FOREIGN_FLAGS as hidden flags, each stopping with one line that names what to do here; pytorch/examples'
-    imagenet and torch.distributed.launch pass them. What this script takes itself stays its own."""
+    """FOREIGN_FLAGS as hidden flags, each stopping with one line that names what to do here instead."""
     for flags, instead in FOREIGN_FLAGS.items():
         class Refuse(argparse.Action):
             def __call__(self, parser, namespace, values, option_string=None, instead=instead):
@@ -1872,11 +1865,8 @@ def explain_failure(error, args):
     # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a pipe or a socket
     # closed, a message garbled: one killed while it hands over a batch fails the read a moment before it can be
     # waited for): after an error of the transport's (OSError, EOFError, or one raised in multiprocessing's code)
-    tb = error.__traceback__
-    while tb and tb.tb_next:
-        tb = tb.tb_next
-    raised_in = tb.tb_frame.f_code.co_filename if tb else ""
-    transport = isinstance(error, (OSError, EOFError)) or "multiprocessing" in raised_in
+    frames = traceback.extract_tb(error.__traceback__)
+    transport = isinstance(error, (OSError, EOFError)) or "multiprocessing" in (frames[-1].filename if frames else "")
     try:
         for pause in [0] + [0.05] * (20 if transport else 0):
             time.sleep(pause)

@@ -46,6 +46,7 @@ import signal
 import socket  # [safety]
 import sys
 import time
+import traceback  # [safety]
 
 import numpy as np
 import torch
@@ -832,8 +833,7 @@ def resume_path(args):
 
 
 def read_checkpoint(path):
-    """The file's content, on the CPU (set_rng_state takes CPU tensors; load_state_dict copies to the device itself;
-    a copy on the GPU would hold a model's worth of its memory)."""
+    """The file's content on the CPU: set_rng_state takes CPU tensors; load_state_dict copies to the device itself."""
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -1041,8 +1041,7 @@ class Preemption:
         self.requested, Preemption.signum = True, signum
 
     def agreed(self, now=False):
-        """Called by every rank at every step: True on all ranks at the same step, the one after the signal; now: at
-        once, blocking (at the end of an epoch)."""
+        """Every rank, every step: True on all ranks at one step, the one after the signal; now: at once, blocking."""
         if self.group is None:
             return self.requested
         if self.wait is not None:
@@ -1059,8 +1058,8 @@ class Preemption:
         return self.flag.item() > 0
 
     def stop(self, run, args, rank, log, where, saved=False):
-        """Every rank: saves where the run stopped, unless it just did, and waits until all have (a launcher stops
-        the rest once one process exits non-zero); returns the exit code PREEMPTED."""
+        """Every rank saves where it stopped (unless it just did), then waits for all: a launcher stops the rest once
+        one exits non-zero. Returns PREEMPTED."""
         if not saved:
             run.save(args, rank, is_best=False)
         if self.group is not None:
@@ -1097,8 +1096,7 @@ def print_or_drop(*values):
 # endregion [preemption]
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
-    """Rank 0's TensorBoard writer, closed at exit; entries from `epoch` on (those of an earlier run that went
-    further are purged); None on other ranks."""
+    """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on."""
     if rank != 0:
         return None
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
@@ -1121,8 +1119,7 @@ def write_epoch(row, writer, output_dir):
 # =============================================================================================
 # region [safety]
 def check_torchrun(log):
-    """torchrun's variables, some set by hand or left from another job (an address alone is harmless), and
-    --max-restarts with the rendezvous store shared with the workers (pytorch/pytorch#135712)."""
+    """torchrun's variables set in part (by hand, or left from another job), and --max-restarts' shared store."""
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     present = [v for v in names if v in os.environ]
     if set(present) & {"RANK", "LOCAL_RANK", "WORLD_SIZE"} and len(present) < len(names):
@@ -1150,8 +1147,7 @@ FOREIGN_FLAGS = {  # other scripts' flags that users bring along, and what this 
 
 
 def add_foreign_flags(parser):
-    """FOREIGN_FLAGS as hidden flags, each stopping with one line that names what to do here; pytorch/examples'
-    imagenet and torch.distributed.launch pass them. What this script takes itself stays its own."""
+    """FOREIGN_FLAGS as hidden flags, each stopping with one line that names what to do here instead."""
     for flags, instead in FOREIGN_FLAGS.items():
         class Refuse(argparse.Action):
             def __call__(self, parser, namespace, values, option_string=None, instead=instead):
@@ -1242,11 +1238,8 @@ def explain_failure(error, args):
     # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a pipe or a socket
     # closed, a message garbled: one killed while it hands over a batch fails the read a moment before it can be
     # waited for): after an error of the transport's (OSError, EOFError, or one raised in multiprocessing's code)
-    tb = error.__traceback__
-    while tb and tb.tb_next:
-        tb = tb.tb_next
-    raised_in = tb.tb_frame.f_code.co_filename if tb else ""
-    transport = isinstance(error, (OSError, EOFError)) or "multiprocessing" in raised_in
+    frames = traceback.extract_tb(error.__traceback__)
+    transport = isinstance(error, (OSError, EOFError)) or "multiprocessing" in (frames[-1].filename if frames else "")
     try:
         for pause in [0] + [0.05] * (20 if transport else 0):
             time.sleep(pause)

@@ -31,10 +31,10 @@ NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
-FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "span_union", "span_common",
-            "StepProfiler", "benchmark", "memory_use", "PREEMPTED", "Preemption", "start_loader_worker",
-            "die_with_parent", "print_or_drop", "set_tf32", "SyntheticImages", "RandomResizedCropFlip", "DeviceDecoded",
-            "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
+FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "span_union", "span_common", "StepProfiler", "benchmark",
+            "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
+            "set_tf32", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded", "load_spec",
+            "call_spec", "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["check_torchrun", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
           "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus", "explain_failed_save",
           "explain_unreadable", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE", "explain_failure",
@@ -72,7 +72,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", *T
                                   "load_pretrained", "new_optimizer",
                                   "lr_factor", "check_run", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
-                                  "NORMALIZE", "SyntheticImages", "load_image", "DeviceDecoded",
+                                  "NORMALIZE", "SyntheticImages", "load_image", "decode_file", "DeviceDecoded",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
                                   "Metrics", "benchmark",
                                   "memory_use",
