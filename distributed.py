@@ -670,7 +670,6 @@ def load_image(path):
         raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
 
 
-
 def collate(samples, num_classes):
     """The loaders' collate_fn: uint8 images copied into the batch in their memory order (channels last, as decode
     and crop leave them), about 4x cheaper than transposed; the Prefetcher sets the model's format on the device."""

@@ -808,12 +808,6 @@ def class_count(dataset):
     return len(dataset.classes) if count is None and getattr(dataset, "classes", None) is not None else count
 
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-
-
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
 NORMALIZE = {3: ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 1: ((0.449,), (0.226,))}  # ImageNet's; gray: their mean
 
 

@@ -14,10 +14,25 @@ instead of a whole copy: for models (ViT-H, large ConvNeXts with AdamW) that one
     torchrun --standalone --nproc_per_node=2 fsdp_distributed.py --dummy -e --resume output/checkpoint.dcp \
         --export full.pth.tar
 
+Rank, local rank and world size come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); the
+--local-rank=N that the deprecated `python -m torch.distributed.launch` adds is taken and not needed (that
+launcher sets LOCAL_RANK too). -b is the global batch: each of W processes gets b = B / W.
+
 What differs from distributed.py: prepare_model shards each block of the model and the rest (fully_shard) instead of
 DDP's wrapping; --amp is a MixedPrecisionPolicy (weights gathered and computed in the half dtype, gradients reduced
 in fp32), not autocast; the checkpoint is a folder of shards that every rank writes its part of, and that loads on
 any number of processes (torch.distributed.checkpoint); model_best.pth.tar and --export hold the full weights.
+
+Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line, the two
+functions to edit for your own model and data, the launcher part, the training flow (main -> main_worker ->
+train_one_epoch / evaluate) and what every run needs. Part 2: optional features, a block each. Part 3: the safety net.
+
+Every block of parts 2 and 3 lies between a line `# region [NAME]` and a line `# endregion [NAME]`, and every
+line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a
+block and its tagged lines, nothing else, and the rest runs; delete every block for the core. For the block ema
+(README: Copy only what you need):
+
+    sed -E -i '/^ *# region \[ema\]/,/^ *# endregion \[ema\]/d; /#( \[[a-z0-9-]+\])* \[ema\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
 import atexit
@@ -827,12 +842,6 @@ def class_count(dataset):
     """The number of classes of a dataset: its num_classes, else the length of its classes (ImageFolder's)."""
     count = getattr(dataset, "num_classes", None)
     return len(dataset.classes) if count is None and getattr(dataset, "classes", None) is not None else count
-
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-
-
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 NORMALIZE = {3: ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 1: ((0.449,), (0.226,))}  # ImageNet's; gray: their mean

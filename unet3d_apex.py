@@ -22,10 +22,17 @@ volumes. How the processes start, the process group, DDP, checkpoints and preemp
 (the same text); the training flow has its shape (RunState, train_one_epoch, evaluate) with the U-Net's
 loss and metrics.
 
-Read it top to bottom: the command line; the launcher part (how the processes find each other, the
-process group, wrapping the model, one optimizer step, sums over processes); the training flow
-(main -> main_worker -> train_one_epoch / evaluate); the task (volumes and patches, the U-Net, its loss
-and metrics, checks and checkpoints); an appendix of the helpers every script carries.
+Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line,
+the launcher part, the training flow (main -> main_worker -> train_one_epoch / evaluate), the task (volumes
+and patches, the U-Net, its loss and metrics) and what every run needs. Part 2: optional features, a block
+each. Part 3: the safety net.
+
+Every block of parts 2 and 3 lies between a line `# region [NAME]` and a line `# endregion [NAME]`, and every
+line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a
+block and its tagged lines, nothing else, and the rest runs; delete every block for the core. For the block logs
+(README: Copy only what you need):
+
+  sed -E -i '/^ *# region \[logs\]/,/^ *# endregion \[logs\]/d; /#( \[[a-z0-9-]+\])* \[logs\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
 import atexit
@@ -123,6 +130,14 @@ def build_datasets(args):
     if args.synthetic:
         return (SyntheticVolumes(args.synthetic_size, args.synthetic_shape),
                 SyntheticVolumes(max(args.synthetic_size // 4, 1), args.synthetic_shape, offset=10**9))
+    if not (args.data and os.path.isdir(args.data)):  # [safety]
+        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, "  # [safety]
+                        f"or --synthetic")  # [safety]
+    for split, kind in itertools.product(("train", "val"), ("images", "labels")):  # [safety]
+        folder = os.path.join(args.data, split, kind)  # [safety]
+        if not os.path.isdir(folder):  # [safety]
+            raise UserError(f"{folder} not found: DIR must hold train/images, train/labels, val/images and "  # [safety]
+                            f"val/labels")  # [safety]
     train, val = (VolumeFolder(os.path.join(args.data, split)) for split in ("train", "val"))
     if train.channels != val.channels:
         raise UserError(f"{args.data}: train volumes have {train.channels} channels, val volumes {val.channels}; "
@@ -297,11 +312,13 @@ def main_worker(args, local_index=None):
     log = print_or_drop if rank == 0 else log  # [preemption]
     preemption = Preemption()  # [preemption]
 
-    train_set, val_set, ckpt_path = check_and_load(args, rank, world_size, device)
+    train_set, val_set = build_datasets(args)
+    check_run(args, world_size, device, (train_set, val_set), rank)  # [safety]
     # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
     # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
     train_sampler, train_batches, val_volumes = build_loaders(args, train_set, val_set, rank, world_size, device)
     config = model_config(args, train_set.channels)
+    ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path, config) if ckpt_path else None
     claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed)
@@ -485,36 +502,6 @@ def predict_volume(model, image, patch, tiles_per_pass):
         for w, tile in zip(group, output):
             logits[(slice(None), *w)] = tile
     return logits[(slice(None), *(slice(0, s) for s in size))]
-
-
-def check_and_load(args, rank, world_size, device):
-    """What can fail on bad input before the loaders start (the checkpoint's fit is checked as it is read, before
-    any process waits for another). Returns the datasets and the checkpoint's path, if any. rank: each rank reads
-    its own share of the label masks."""
-    if args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
-                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
-    check_launch_args(args, world_size, device)
-    if args.depth < 1 or any(p % 2 ** (args.depth - 1) or p < 1 for p in args.patch_size):
-        raise UserError(f"--patch-size {' '.join(map(str, args.patch_size))}: with --depth {args.depth} each side "
-                        f"must be a positive multiple of {2 ** (args.depth - 1)} (2**(depth-1))")
-    if args.synthetic and args.data:
-        raise UserError(f"--synthetic makes its own volumes, and {args.data} names a folder: give one of them")
-    if not args.synthetic and not (args.data and os.path.isdir(args.data)):
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, "
-                        f"or --synthetic")
-    for split, kind in () if args.synthetic else itertools.product(("train", "val"), ("images", "labels")):
-        if not os.path.isdir(os.path.join(args.data, split, kind)):
-            raise UserError(f"{os.path.join(args.data, split, kind)} not found: DIR must hold train/images, "
-                            f"train/labels, val/images and val/labels")
-    train_set, val_set = build_datasets(args)
-    if len(train_set) * args.patches_per_volume < args.batch_size and not args.evaluate:
-        raise UserError(f"{len(train_set)} training volumes x {args.patches_per_volume} patches are fewer than one "
-                        f"global batch of {args.batch_size}: lower -b or raise --patches-per-volume")
-    for dataset in (train_set, val_set):
-        if isinstance(dataset, VolumeFolder):
-            dataset.check_labels(rank, world_size)
-    return train_set, val_set, resume_path(args)
 
 
 # =============================================================================================
@@ -840,11 +827,13 @@ def read_checkpoint(path):
 def load_checkpoint(path, config):
     """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape, without a wrapper's prefix."""
     ckpt = read_checkpoint(path)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":
-        raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")
-    if ckpt["model"] != config:
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ckpt["model"].items() if k != "in_channels")
-        raise UserError(f"{path} holds a U-Net with {ckpt['model']}, not {config}: pass {flags}, or another checkpoint")
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":  # [safety]
+        raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")  # [safety]
+    if ckpt["model"] != config:  # [safety]
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ckpt["model"].items()  # [safety]
+                         if k != "in_channels")  # [safety]
+        raise UserError(f"{path} holds a U-Net with {ckpt['model']}, not {config}: pass {flags}, "  # [safety]
+                        f"or another checkpoint")  # [safety]
     consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
     return ckpt
 
@@ -1135,6 +1124,11 @@ def check_args(args):
     checked here, right after parsing, before any process waits for another."""
     if args.epochs == 0 and not args.evaluate:
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
+    if any(p % 2 ** (args.depth - 1) for p in args.patch_size):
+        raise UserError(f"--patch-size {' '.join(map(str, args.patch_size))}: with --depth {args.depth} each side "
+                        f"must be a positive multiple of {2 ** (args.depth - 1)} (2**(depth-1))")
+    if args.synthetic and args.data:
+        raise UserError(f"--synthetic makes its own volumes, and {args.data} names a folder: give one of them")
 
 
 FOREIGN_FLAGS = {  # other scripts' flags that users bring along, and what this one does instead
@@ -1155,6 +1149,22 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_run(args, world_size, device, sets, rank):
+    """The rest of bad input, before the loaders start: the batch, the launcher's flags, the data (each rank reads
+    its own share of the label masks)."""
+    if args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
+                        f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
+    check_launch_args(args, world_size, device)
+    train_set, val_set = sets
+    if len(train_set) * args.patches_per_volume < args.batch_size and not args.evaluate:
+        raise UserError(f"{len(train_set)} training volumes x {args.patches_per_volume} patches are fewer than one "
+                        f"global batch of {args.batch_size}: lower -b or raise --patches-per-volume")
+    for dataset in sets:
+        if isinstance(dataset, VolumeFolder):
+            dataset.check_labels(rank, world_size)
 
 
 def check_shared_gpus(store, world_size, device, backend):

@@ -59,7 +59,7 @@ OWN = {
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
     "unet3d_apex.py": {"parse_args", "check_args", "describe_processes", "prepare_model",
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
-                       "check_finite", "evaluate", "build_datasets", "build_loaders", "load_checkpoint"},
+                       "check_finite", "evaluate", "build_datasets", "build_loaders", "load_checkpoint", "check_run"},
 }
 # shared names a sibling has no use for: no process group of torch.distributed's, no torchrun
 TORCHRUN_CHECKS = {"check_torchrun"}
@@ -70,7 +70,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", *T
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups",
                                   "load_pretrained", "new_optimizer",
-                                  "lr_factor", "check_run", "ModelEMA", "set_tf32",
+                                  "lr_factor", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
                                   "NORMALIZE", "SyntheticImages", "load_image", "decode_file", "DeviceDecoded",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",

@@ -55,6 +55,11 @@ def test_every_block_is_fenced_and_every_tag_names_one():
         assert tags <= set(opened), (script, tags - set(opened))
         if script in LAUNCHERS:
             assert sorted(opened) == BLOCKS, opened
+        # the markers' rule is written once, at the top: the docstring's example is the README's cut of a block it has
+        example = re.search(r"^ +(sed -E -i .*) FILE$", ast.get_docstring(ast.parse(text)), re.M)
+        block = example and re.search(r"region \\\[([a-z0-9-]+)\\\]", example[1])
+        assert block and block[1] in opened, script
+        assert example[1] == sed_lines()[0].replace(r"\[X\]", rf"\[{block[1]}\]").removesuffix(" distributed.py")
 
 
 def unknown_flags(source):

@@ -70,3 +70,16 @@ def test_no_function_takes_more_than_six_parameters(script):
                for names in [[a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs
                               if a.arg != "self"]] if len(names) > 6]
     assert not crowded
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_top_level_name_is_used(script):
+    """A unit the reference dropped stays behind in a sibling (the sync copies what both define): dead code there."""
+    text = (ROOT / script).read_text()
+    tree = ast.parse(text)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    used |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    defined = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    defined += [target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
+                if isinstance(target, ast.Name)]
+    assert not set(defined) - used - {"main"}, set(defined) - used
