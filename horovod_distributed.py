@@ -294,7 +294,16 @@ def convert_sync_batchnorm(module):
 
 
 def build_optimizer(model, args, device, log):
-    optimizer = new_optimizer(model, args)
+    """distributed.py's optimizer (--opt: SGD or AdamW, fused; SGD's momentum made as zeros, for GradScaler's skipped
+    first steps), inside hvd.DistributedOptimizer, which averages each gradient as backward makes it."""
+    groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+    groups = param_groups(model, args) if args.no_wd_norm_bias else groups  # [no-wd]
+    if args.opt == "adamw":
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, fused=True)
+    else:
+        optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=True)
+    for p in model.parameters() if args.opt == "sgd" and args.momentum else ():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), compression=compression,
                                        backward_passes_per_step=args.grad_accum_steps, op=hvd.Average)
@@ -639,22 +648,6 @@ def exit_bad_input(error, reporter):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
         time.sleep(30)
     sys.exit(2)
-
-
-def new_optimizer(model, args):
-    """--opt: SGD with momentum, or AdamW; fused, the CPU included (one kernel, which takes GradScaler's inf check on
-    the device), but SGD foreach for FSDP's DTensors (no sharding rule). SGD's momentum starts as zeros: a first step
-    GradScaler skips then leaves it so (fused SGD's own, made at the first step, would stay unfilled)."""
-    groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
-    groups = param_groups(model, args) if args.no_wd_norm_bias else groups  # [no-wd]
-    if args.opt == "adamw":
-        return torch.optim.AdamW(groups, lr=args.lr, fused=True)
-    params = [p for group in groups for p in group["params"]]
-    foreach = any(hasattr(p, "full_tensor") for p in params)
-    optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not foreach, foreach=foreach or None)
-    for p in params if args.momentum else ():
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    return optimizer
 
 
 def lr_factor(step, steps_per_epoch, args):

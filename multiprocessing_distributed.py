@@ -337,7 +337,19 @@ def prepare_model(model, args, device, log):
 
 
 def build_optimizer(model, args, device, log):
-    return new_optimizer(model, args)
+    """--opt: SGD with momentum, or AdamW; fused, the CPU included (one kernel, which takes GradScaler's inf check on
+    the device), but SGD foreach for FSDP's DTensors (no sharding rule). SGD's momentum starts as zeros: a first step
+    GradScaler skips then leaves it so (fused SGD's own, made at the first step, would stay unfilled)."""
+    groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
+    groups = param_groups(model, args) if args.no_wd_norm_bias else groups  # [no-wd]
+    if args.opt == "adamw":
+        return torch.optim.AdamW(groups, lr=args.lr, fused=True)
+    params = [p for group in groups for p in group["params"]]
+    foreach = any(hasattr(p, "full_tensor") for p in params)
+    optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not foreach, foreach=foreach or None)
+    for p in params if args.momentum else ():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 def setup_precision(model, optimizer, args, device, log):
@@ -742,22 +754,6 @@ def join_process_group(args, store, rank, world_size, device):
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-
-
-def new_optimizer(model, args):
-    """--opt: SGD with momentum, or AdamW; fused, the CPU included (one kernel, which takes GradScaler's inf check on
-    the device), but SGD foreach for FSDP's DTensors (no sharding rule). SGD's momentum starts as zeros: a first step
-    GradScaler skips then leaves it so (fused SGD's own, made at the first step, would stay unfilled)."""
-    groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
-    groups = param_groups(model, args) if args.no_wd_norm_bias else groups  # [no-wd]
-    if args.opt == "adamw":
-        return torch.optim.AdamW(groups, lr=args.lr, fused=True)
-    params = [p for group in groups for p in group["params"]]
-    foreach = any(hasattr(p, "full_tensor") for p in params)
-    optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, fused=not foreach, foreach=foreach or None)
-    for p in params if args.momentum else ():
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    return optimizer
 
 
 def lr_factor(step, steps_per_epoch, args):

@@ -27,7 +27,7 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 # the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
 SEAMS = ["build_model", "build_datasets"]
 NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group",
-         "new_optimizer", "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
+         "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
@@ -55,7 +55,7 @@ OWN = {
     "fsdp_distributed.py": {"parse_args", "check_launch_args", "start_process_group", "prepare_model",
                             "setup_precision", "wrap_model", "train_step", "RunState", "evaluate", "CHECKPOINT",
                             "read_checkpoint"},
-    "apex_distributed.py": {"parse_args", "build_optimizer", "setup_precision", "collate"},
+    "apex_distributed.py": {"parse_args", "setup_precision", "collate"},
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
     "unet3d_apex.py": {"parse_args", "check_args", "describe_processes", "prepare_model",
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
@@ -69,7 +69,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", *T
                "distributed_slurm_main.py": TORCHRUN_CHECKS,
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups",
-                                  "load_pretrained", "new_optimizer",
+                                  "load_pretrained",
                                   "lr_factor", "ModelEMA", "set_tf32",
                                   "span_union", "span_common", "StepProfiler",
                                   "NORMALIZE", "SyntheticImages", "load_image", "decode_file", "DeviceDecoded",
@@ -171,7 +171,13 @@ def layout(script):
             break
         text = emptied
     text = re.sub(r"\n{4,}", "\n\n\n", text)
-    return re.sub(r"(^#[^\n]*\n)\n+(?=(def |class |@|[A-Za-z_]+ = ))", r"\1", text, flags=re.M)
+    text = re.sub(r"(^#[^\n]*\n)\n+(?=(def |class |@|[A-Za-z_]+ = ))", r"\1", text, flags=re.M)
+    while True:  # drop what only the sibling has and nothing calls: a unit the reference dropped
+        dead = next((leading + unit for key, leading, unit in units(text)[1] if isinstance(key, str)
+                     and key not in ref_keys and len(re.findall(rf"\b{key}\b", text)) == 1), None)
+        if dead is None:
+            return text
+        text = re.sub(r"\n{4,}", "\n\n\n", text.replace(dead, "\n", 1))
 
 
 def siblings():

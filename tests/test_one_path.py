@@ -56,7 +56,7 @@ def test_every_script_trains_on_the_gpus_path_on_the_cpu(run, tmp_path):
     scaled = not run.endswith("O3")  # O3: pure half, no loss scaling (as apex's)
     assert (ckpt["scaler"].get("scale", 0) > 0) == scaled, ckpt["scaler"]
     group = ckpt["optimizer"]["param_groups"][0]
-    assert group["fused"], group  # SGD with a scaled loss too: its momentum starts as zeros (new_optimizer)
+    assert group["fused"], group  # SGD with a scaled loss too: its momentum starts as zeros (build_optimizer)
 
 
 def args_for(module, *argv):
