@@ -104,7 +104,7 @@ def parse_args(argv=None):
     add("--gpu-decode", action="store_true", help="decode (nvJPEG) and crop JPEGs on the GPU")  # [gpu-decode]
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
-    add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")
+    add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
         help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
     add("--label-smoothing", type=in_range(float, 0, below=1), default=0.0, help="in the training loss only")
@@ -203,9 +203,10 @@ def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: always the only one, on the first of its GPUs
     (outputs are gathered and the loss computed there) or the CPU."""
     args.gpus = select_gpus(args)
-    if args.compile and len(args.gpus or ()) > 1:  # DataParallel copies the model anew each step: nothing to compile
-        raise UserError(f"--compile does not work with DataParallel over {len(args.gpus)} GPUs (it makes new "
-                        f"replicas every step): use distributed.py, or one GPU (--gpus 0)")
+    if args.compile and len(args.gpus or ()) > 1:  # [compile] [safety]
+        raise UserError(f"--compile does not work with DataParallel over {len(args.gpus)} GPUs "  # [compile] [safety]
+                        f"(it makes new replicas every step): use distributed.py, "  # [compile] [safety]
+                        f"or one GPU (--gpus 0)")  # [compile] [safety]
     if not args.gpus:
         return 0, 0, 1, torch.device("cpu")
     torch.cuda.set_device(args.gpus[0])
@@ -321,8 +322,7 @@ def train_step(run, images, target, args):
     """One optimizer step on this process's batch: forward and backward in --grad-accum-steps micro-batches (DDP
     all-reduces in the last one's backward only), --clip-grad-norm on the unscaled gradients, the step, the schedule.
     Returns the loss summed over the batch, the outputs, and 1 if it clipped."""
-    ddp = getattr(run.train_model, "_orig_mod", run.train_model)  # the DDP module under torch.compile's wrapper
-    no_sync = getattr(ddp, "no_sync", contextlib.nullcontext)  # one process: nothing to hold back
+    no_sync = getattr(run.train_model, "no_sync", contextlib.nullcontext)  # one process: nothing to hold back
     chunks, loss_sum, outputs, clipped = args.grad_accum_steps, 0, [], 0
     run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
     for i, (images_part, target_part) in enumerate(zip(images.chunk(chunks), target.chunk(chunks))):
@@ -446,9 +446,8 @@ def main_worker(args, local_index=None):
         log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)}){moved}")
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
-    if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
-        torch._inductor.config.layout_optimization = False  # its relayout of DDP's split graphs fails on CUDA (2.11)
-        run.train_model = torch.compile(run.train_model)
+    if args.compile:  # [compile]
+        run.train_model = compile_model(run.train_model)  # [compile]
     run.profiler = StepProfiler(run, args, rank, log, steps_per_epoch)  # [profile]
     if args.benchmark:  # [benchmark]
         return benchmark(run, args, world_size, log, val_set)  # [benchmark]
@@ -1223,6 +1222,14 @@ def set_tf32(args, device, log):
         log("TF32: off (--no-tf32): full fp32" if args.no_tf32 else
             "TF32: on for fp32 matmuls and convolutions (--no-tf32 turns it off)")
 # endregion [tf32]
+# region [compile]: --compile: the model that trains, compiled by torch.compile
+def compile_model(model):
+    """The wrapped model, compiled: DDP's buckets split the graph, so that each all-reduce still overlaps backward.
+    Inductor's own relayout of the graphs DDP splits fails the stride check of a convolution's backward on CUDA
+    (torch 2.11): it stays off."""
+    torch._inductor.config.layout_optimization = False
+    return torch.compile(model)
+# endregion [compile]
 # region [dummy]: --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
 class SyntheticImages(Dataset):
     """A learnable stand-in for ImageNet: colour and stripes by class, noise by image, the same on every call."""

@@ -121,7 +121,7 @@ def parse_args(argv=None):
     add("--gpu-decode", action="store_true", help="decode (nvJPEG) and crop JPEGs on the GPU")  # [gpu-decode]
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
-    add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")
+    add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
         help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
     add("--label-smoothing", type=in_range(float, 0, below=1), default=0.0, help="in the training loss only")
@@ -244,9 +244,10 @@ def find_processes(args, local_index):
 
 def check_launch_args(args, world_size, device):
     """The flags this launcher adds or reads its own way, checked before any process waits for another."""
-    if args.compile:
-        raise UserError("--compile: fsdp_distributed.py does not compile the sharded model (torch 2.14's inductor "
-                        "fails on FSDP2's hooks across the whole model); drop it, or train with distributed.py")
+    if args.compile:  # [compile]
+        raise UserError("--compile: fsdp_distributed.py does not compile the sharded model (torch 2.14's "  # [compile]
+                        "inductor fails on FSDP2's hooks across the whole model); drop it, or train with "  # [compile]
+                        "distributed.py")  # [compile]
     if args.model_ema:  # [ema]
         raise UserError("--model-ema: fsdp_distributed.py keeps no average of the weights (a whole copy on "  # [ema]
                         "every rank is what sharding saves); drop it, or train with distributed.py")  # [ema]
@@ -585,9 +586,8 @@ def main_worker(args, local_index=None):
         log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)}){moved}")
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
-    if args.compile:  # the wrapped model: DDP's buckets split the graph, so each all-reduce still overlaps backward
-        torch._inductor.config.layout_optimization = False  # its relayout of DDP's split graphs fails on CUDA (2.11)
-        run.train_model = torch.compile(run.train_model)
+    if args.compile:  # [compile]
+        run.train_model = compile_model(run.train_model)  # [compile]
     run.profiler = StepProfiler(run, args, rank, log, steps_per_epoch)  # [profile]
     if args.benchmark:  # [benchmark]
         return benchmark(run, args, world_size, log, val_set)  # [benchmark]
@@ -1415,6 +1415,14 @@ def set_tf32(args, device, log):
         log("TF32: off (--no-tf32): full fp32" if args.no_tf32 else
             "TF32: on for fp32 matmuls and convolutions (--no-tf32 turns it off)")
 # endregion [tf32]
+# region [compile]: --compile: the model that trains, compiled by torch.compile
+def compile_model(model):
+    """The wrapped model, compiled: DDP's buckets split the graph, so that each all-reduce still overlaps backward.
+    Inductor's own relayout of the graphs DDP splits fails the stride check of a convolution's backward on CUDA
+    (torch 2.11): it stays off."""
+    torch._inductor.config.layout_optimization = False
+    return torch.compile(model)
+# endregion [compile]
 # region [dummy]: --dummy, --dummy-size: a learnable synthetic dataset, for demos and tests
 class SyntheticImages(Dataset):
     """A learnable stand-in for ImageNet: colour and stripes by class, noise by image, the same on every call."""

@@ -33,8 +33,8 @@ NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
 FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "span_union", "span_common", "StepProfiler", "benchmark",
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
-            "set_tf32", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded", "load_spec",
-            "call_spec", "ImageCrops", "open_writer", "write_epoch"]
+            "set_tf32", "compile_model", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded",
+            "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["check_torchrun", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
           "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus", "explain_failed_save",
           "explain_unreadable", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE", "explain_failure",
@@ -70,7 +70,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", *T
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups",
                                   "load_pretrained",
-                                  "lr_factor", "ModelEMA", "set_tf32",
+                                  "lr_factor", "ModelEMA", "set_tf32", "compile_model",
                                   "span_union", "span_common", "StepProfiler",
                                   "NORMALIZE", "SyntheticImages", "load_image", "decode_file", "DeviceDecoded",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
