@@ -210,7 +210,7 @@ def build_datasets(args):
 
 # =============================================================================================
 # The launcher part: torchrun, the process group, DDP, apex's precision. Every sibling defines these names
-# (find_processes to sum_async), with these parameters, its own way: README, How every script reads, has them side
+# (find_processes to sync_buffers), with these parameters, its own way: README, How every script reads, has them side
 # by side.
 # =============================================================================================
 def find_processes(args, local_index):
@@ -227,10 +227,6 @@ def find_processes(args, local_index):
                         f"start at most that many processes per node (--nproc_per_node)")  # [safety]
     torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", local_rank)
-
-
-def check_launch_args(args, world_size, device):
-    """The flags this launcher reads its own way, checked before any process waits for another: none here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -449,11 +445,6 @@ def sync_buffers(model):
     if dist.is_initialized():
         for buf in model.buffers():
             dist.broadcast(buf, 0)
-
-
-def sum_async(tensor, group):
-    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
-    return dist.all_reduce(tensor, group=group, async_op=True).wait
 
 
 # =============================================================================================
@@ -1231,6 +1222,12 @@ def memory_use(run, device):
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 
 
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum. Part of
+    the launcher interface (Horovod sums its own way), used by the preemption flag alone."""
+    return dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
     first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
@@ -1571,6 +1568,11 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher reads its own way, checked before any process waits for another: none here. Part of
+    the launcher interface (each sibling checks its own), called by check_run alone."""
 
 
 def check_run(args, world_size, device, sets):

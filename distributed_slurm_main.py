@@ -262,7 +262,7 @@ def build_datasets(args):
 
 # =============================================================================================
 # The launcher part: Slurm, the process group, DDP. Every sibling defines these names (find_processes to
-# sum_async), with these parameters, its own way: README, How every script reads, has them side by side.
+# sync_buffers), with these parameters, its own way: README, How every script reads, has them side by side.
 # =============================================================================================
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process. One task per GPU: from srun's task variables. One
@@ -303,10 +303,6 @@ def rendezvous(args):
     host = env.get("MASTER_ADDR") or (expand_hostlist(nodes)[0] if nodes else "127.0.0.1")
     port = env.get("MASTER_PORT") or (20000 + int(env["SLURM_JOB_ID"]) % 40000 if "SLURM_JOB_ID" in env else 29500)
     return f"tcp://{host}:{port}"
-
-
-def check_launch_args(args, world_size, device):
-    """The flags this launcher reads its own way, checked before any process waits for another: none here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -438,11 +434,6 @@ def sync_buffers(model):
     if dist.is_initialized():
         for buf in model.buffers():
             dist.broadcast(buf, 0)
-
-
-def sum_async(tensor, group):
-    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
-    return dist.all_reduce(tensor, group=group, async_op=True).wait
 
 
 # =============================================================================================
@@ -1288,6 +1279,12 @@ def memory_use(run, device):
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 
 
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum. Part of
+    the launcher interface (Horovod sums its own way), used by the preemption flag alone."""
+    return dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
     first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
@@ -1616,6 +1613,11 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher reads its own way, checked before any process waits for another: none here. Part of
+    the launcher interface (each sibling checks its own), called by check_run alone."""
 
 
 def check_run(args, world_size, device, sets):

@@ -224,7 +224,7 @@ def build_datasets(args):
 
 # =============================================================================================
 # The launcher part: torchrun, the process group, FSDP2. Every sibling defines these names (find_processes to
-# sum_async), with these parameters, its own way: README, How every script reads, has them side by side.
+# sync_buffers), with these parameters, its own way: README, How every script reads, has them side by side.
 # =============================================================================================
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
@@ -240,27 +240,6 @@ def find_processes(args, local_index):
                         f"start at most that many processes per node (--nproc_per_node)")  # [safety]
     torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", local_rank)
-
-
-def check_launch_args(args, world_size, device):
-    """The flags this launcher adds or reads its own way, checked before any process waits for another."""
-    if args.compile:  # [compile]
-        raise UserError("--compile: fsdp_distributed.py does not compile the sharded model (torch 2.14's "  # [compile]
-                        "inductor fails on FSDP2's hooks across the whole model); drop it, or train with "  # [compile]
-                        "distributed.py")  # [compile]
-    if args.model_ema:  # [ema]
-        raise UserError("--model-ema: fsdp_distributed.py keeps no average of the weights (a whole copy on "  # [ema]
-                        "every rank is what sharding saves); drop it, or train with distributed.py")  # [ema]
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if args.replicate_nodes and (world_size == per_node or world_size % per_node):
-        raise UserError(f"--replicate-nodes replicates the model across nodes of equal size, and this run has "
-                        f"{world_size} processes, {per_node} on this node: drop it, or start as many on every node")
-    if args.resume and os.path.isfile(args.resume) and not args.evaluate:
-        raise UserError(f"--resume {args.resume} is a file of full weights: fsdp_distributed.py resumes training "
-                        f"from its folders of shards ({CHECKPOINT}); evaluate the file with -e")
-    folder = os.path.dirname(os.path.abspath(args.export or "."))
-    if args.export and not os.path.isdir(folder) and folder != os.path.abspath(args.output_dir):  # made later
-        raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -456,11 +435,6 @@ def sync_buffers(model):
     if dist.is_initialized():
         for buf in model.buffers():
             dist.broadcast(buf, 0)
-
-
-def sum_async(tensor, group):
-    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
-    return dist.all_reduce(tensor, group=group, async_op=True).wait
 
 
 TRAIN_STATE = "train_state.pt"  # in a checkpoint folder: all but the weights and the optimizer state
@@ -1335,6 +1309,12 @@ def memory_use(run, device):
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 
 
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum. Part of
+    the launcher interface (Horovod sums its own way), used by the preemption flag alone."""
+    return dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
     first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
@@ -1675,6 +1655,27 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher adds or reads its own way, checked before any process waits for another."""
+    if args.compile:  # [compile]
+        raise UserError("--compile: fsdp_distributed.py does not compile the sharded model (torch 2.14's "  # [compile]
+                        "inductor fails on FSDP2's hooks across the whole model); drop it, or train with "  # [compile]
+                        "distributed.py")  # [compile]
+    if args.model_ema:  # [ema]
+        raise UserError("--model-ema: fsdp_distributed.py keeps no average of the weights (a whole copy on "  # [ema]
+                        "every rank is what sharding saves); drop it, or train with distributed.py")  # [ema]
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if args.replicate_nodes and (world_size == per_node or world_size % per_node):
+        raise UserError(f"--replicate-nodes replicates the model across nodes of equal size, and this run has "
+                        f"{world_size} processes, {per_node} on this node: drop it, or start as many on every node")
+    if args.resume and os.path.isfile(args.resume) and not args.evaluate:
+        raise UserError(f"--resume {args.resume} is a file of full weights: fsdp_distributed.py resumes training "
+                        f"from its folders of shards ({CHECKPOINT}); evaluate the file with -e")
+    folder = os.path.dirname(os.path.abspath(args.export or "."))
+    if args.export and not os.path.isdir(folder) and folder != os.path.abspath(args.output_dir):  # made later
+        raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
 
 
 def check_run(args, world_size, device, sets):

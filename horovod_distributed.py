@@ -206,7 +206,7 @@ def build_datasets(args):
 
 # =============================================================================================
 # The launcher part: Horovod's processes, collectives and optimizer. Every sibling defines these names
-# (find_processes to sum_async), with these parameters, its own way: README, How every script reads, has them side
+# (find_processes to sync_buffers), with these parameters, its own way: README, How every script reads, has them side
 # by side.
 # =============================================================================================
 def find_processes(args, local_index):
@@ -243,10 +243,6 @@ def check_horovodrun_env():
         raise RankError(f"Horovod's rendezvous {':'.join(address)} (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) does not "
                         f"answer ({getattr(e, 'strerror', None) or e}): the HOROVOD_* variables are left from a "
                         f"horovodrun that has ended; start the script with horovodrun, or unset them") from None
-
-
-def check_launch_args(args, world_size, device):
-    """The flags this launcher reads its own way, checked before any process waits for another: none here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -377,12 +373,6 @@ def gather_rng_states():
 def sync_buffers(model):
     """BatchNorm statistics drift apart per rank; evaluate and save rank 0's, as a checkpoint holds."""
     hvd.broadcast_parameters(dict(model.named_buffers()), root_rank=0)
-
-
-def sum_async(tensor, group):
-    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
-    handle = hvd.allreduce_async_(tensor, op=hvd.Sum, name="preemption", process_set=group)
-    return lambda: hvd.synchronize(handle)
 
 
 # =============================================================================================
@@ -1152,6 +1142,12 @@ def memory_use(run, device):
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 
 
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
+    handle = hvd.allreduce_async_(tensor, op=hvd.Sum, name="preemption", process_set=group)
+    return lambda: hvd.synchronize(handle)
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
     first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
@@ -1480,6 +1476,11 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher reads its own way, checked before any process waits for another: none here. Part of
+    the launcher interface (each sibling checks its own), called by check_run alone."""
 
 
 def check_run(args, world_size, device, sets):

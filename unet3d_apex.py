@@ -148,9 +148,9 @@ def build_datasets(args):
 # =============================================================================================
 # The launcher part: torchrun, the process group, DDP, as in distributed.py (the same text); the batch
 # description, the model's preparation, Adam, --amp and the step are the U-Net's. Every sibling defines
-# these names, with these parameters, its own way: find_processes, check_launch_args, start_process_group,
-# end_process_group, describe_processes, prepare_model, build_optimizer, setup_precision,
-# wrap_model, train_step, reduce_tensor, gather_objects, gather_rng_states, sync_buffers, sum_async
+# these names, with these parameters, its own way: find_processes, start_process_group, end_process_group,
+# describe_processes, prepare_model, build_optimizer, setup_precision, wrap_model, train_step, reduce_tensor,
+# gather_objects, gather_rng_states, sync_buffers (and check_launch_args in the safety net, sum_async in preemption)
 # =============================================================================================
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
@@ -166,10 +166,6 @@ def find_processes(args, local_index):
                         f"start at most that many processes per node (--nproc_per_node)")  # [safety]
     torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", local_rank)
-
-
-def check_launch_args(args, world_size, device):
-    """The flags this launcher reads its own way, checked before any process waits for another: none here."""
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -277,11 +273,6 @@ def sync_buffers(model):
     if dist.is_initialized():
         for buf in model.buffers():
             dist.broadcast(buf, 0)
-
-
-def sum_async(tensor, group):
-    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum."""
-    return dist.all_reduce(tensor, group=group, async_op=True).wait
 
 
 # =============================================================================================
@@ -1013,6 +1004,12 @@ def note_small_volumes(volumes, patch, log):
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 
 
+def sum_async(tensor, group):
+    """Starts summing a CPU tensor in place over the processes of `group`; returns what waits for the sum. Part of
+    the launcher interface (Horovod sums its own way), used by the preemption flag alone."""
+    return dist.all_reduce(tensor, group=group, async_op=True).wait
+
+
 class Preemption:
     """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
     first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
@@ -1149,6 +1146,11 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_launch_args(args, world_size, device):
+    """The flags this launcher reads its own way, checked before any process waits for another: none here. Part of
+    the launcher interface (each sibling checks its own), called by check_run alone."""
 
 
 def check_run(args, world_size, device, sets, rank):
