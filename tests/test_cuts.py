@@ -88,6 +88,15 @@ def test_every_cut_passes_ruff_and_reads_no_flag_it_cut(script, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.quick
+def test_the_readme_counts_the_lines_of_every_script_and_its_core(tmp_path):
+    table = dict(re.findall(r"^\| `(\w+\.py)` \| (\d+ \| \d+) \|", (ROOT / "README.md").read_text(), re.M))
+    scripts = sorted(p.name for p in ROOT.glob("*.py"))
+    counted = {s: f"{len((ROOT / s).read_text().splitlines())} | {len(cut(s, tmp_path).read_text().splitlines())}"
+               for s in scripts}
+    assert table == counted
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("script", LAUNCHERS)
 def test_each_cut_trains(script, block, image_data, tmp_path):
