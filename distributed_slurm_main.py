@@ -749,6 +749,8 @@ def in_range(kind, at_least=None, above=None, below=None):
         if not (math.isfinite(value) and (at_least is None or value >= at_least)
                 and (above is None or value > above) and (below is None or value < below)):
             raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        if kind is int and value >= 2**31:  # seeds, counts: larger ones overflow in torch, or never end
+            raise argparse.ArgumentTypeError(f"{text} is too large: give {wanted}, below 2**31")
         return value
 
     convert.bounds = (kind, at_least, above, below)
@@ -876,7 +878,7 @@ class TrainSampler(DistributedSampler):
         return iter([(i, (base + i) % 2**63) for i in list(super().__iter__())[self.start:]])
 
     def __len__(self):
-        return super().__len__() - self.start
+        return max(super().__len__() - self.start, 0)  # a resume point past the end: nothing left of the epoch
 
 
 class SeededSamples(Dataset):
@@ -1058,8 +1060,13 @@ def read_checkpoint(path):
 def load_checkpoint(path):
     """The checkpoint, checked to be a training checkpoint, its weights without a wrapper's prefix."""
     ckpt = read_checkpoint(path)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:  # [safety]
-        raise UserError(f"{path} is not a training checkpoint (no state_dict in it)")  # [safety]
+    if isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        ckpt = {"state_dict": ckpt}  # weights alone, torch.save(model.state_dict())'s: -e evaluates them
+    weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None  # [safety]
+    if not (isinstance(weights, dict) and all(isinstance(v, torch.Tensor) for v in weights.values())):  # [safety]
+        raise UserError(f"{path} is not a checkpoint of these scripts (no state_dict of tensors): resume "  # [safety]
+                        f"from one, or save a model's weights alone, torch.save(model.state_dict(), PATH), "  # [safety]
+                        f"for -e")  # [safety]
     # a DDP or DataParallel wrapper's prefix, torch.compile's (nanoGPT saves it), or both in either order
     for prefix in ("module.", "_orig_mod.", "module."):
         consume_prefix_in_state_dict_if_present(ckpt["state_dict"], prefix)
@@ -1493,8 +1500,9 @@ class DeviceDecoded(Dataset):
 def load_spec(spec, flag):
     """--arch or --dataset MODULE:FUNCTION: the function, imported from the current directory or PYTHONPATH."""
     module_name, _, name = spec.partition(":")
-    if not module_name or not name.isidentifier():
-        raise UserError(f"{flag} {spec!r}: give MODULE:FUNCTION, e.g. mymodels:tiny_cnn")
+    if not all(part.isidentifier() for part in module_name.split(".")) or not name.isidentifier():  # not a path
+        raise UserError(f"{flag} {spec!r}: give MODULE:FUNCTION, a module's name as import takes it, e.g. "
+                        f"mymodels:tiny_cnn for tiny_cnn in ./mymodels.py")
     if os.getcwd() not in sys.path:  # `python script.py` puts the script's folder on the path, not the current one
         sys.path.append(os.getcwd())
     try:
@@ -1629,6 +1637,12 @@ def check_run(args, world_size, device, sets):
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
     check_launch_args(args, world_size, device)
+    for name in [part.split(":")[-1] for part in (getattr(args, "dist_backend", None) or "").split(",") if part]:
+        known = torch.distributed.is_backend_available(name)  # (torch.distributed: Horovod's imports no dist)
+        if not known or (name == "nccl" and device.type != "cuda"):
+            what = "needs GPUs" if known else "is not a backend of this torch"
+            raise UserError(f"--dist-backend {args.dist_backend}: {name} {what}; leave the flag out (nccl with GPUs, "
+                            f"gloo without), or give gloo")
     train_set = check_datasets(sets, args)[0]
     if len(train_set) < args.batch_size and not args.evaluate:
         raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
@@ -1644,10 +1658,15 @@ def check_datasets(sets, args):
     if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
         raise UserError(f"{source} returned a {type(sets).__name__}, not a pair (train_set, val_set)")
     for split, data in zip(("train", "val"), sets):
-        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        mapped = hasattr(data, "__len__") and hasattr(data, "__getitem__")
+        if not mapped or isinstance(data, torch.utils.data.IterableDataset):
             raise UserError(f"{source}: its {split} set, a {type(data).__name__}, is not a map-style dataset "
                             f"(__len__ and __getitem__)")
-        if len(data) == 0:
+        try:
+            size = len(data)
+        except (TypeError, ValueError) as e:  # a __len__ that returns a float, or a negative number
+            raise UserError(f"{source}: its {split} set's len() fails ({e}): return the number of items") from None
+        if size == 0:
             raise UserError(f"{source}: its {split} set is empty")
     own, num_classes = class_count(sets[0]), args.num_classes or class_count(sets[0])
     if not isinstance(num_classes, int) or num_classes < 1:
@@ -1656,35 +1675,51 @@ def check_datasets(sets, args):
     if isinstance(own, int) and num_classes < own:
         raise UserError(f"--num-classes {num_classes}, but {source}'s train set has {own} classes: drop the flag")
     mean, std = getattr(sets[0], "mean", None), getattr(sets[0], "std", None)
-    channels = tuple(NORMALIZE) if mean is None else (len(mean),)
-    if mean is not None and (std is None or len(std) != len(mean)):
-        raise UserError(f"{source}: its train set's mean {mean!r} and std {std!r} need one value per channel each")
-    try:
-        item = sets[1][0]
-    except RankError:  # an unreadable image: the rank that reads it in evaluation says so
-        return (*sets, num_classes, None)
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"{source}: its val set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})") from None
-    if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
-        raise UserError(f"{source}: an item of its val set is {type(item).__name__} "
-                        f"{tuple(type(x).__name__ for x in item) if isinstance(item, (tuple, list)) else ''}, "
-                        f"not (input tensor, label)")
-    inputs, label = item
-    shape = "x".join(map(str, inputs.shape))
-    if inputs.dtype == torch.uint8 and (inputs.ndim != 3 or inputs.shape[0] not in channels):
-        raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are images, CxHxW with "
-                        f"C {' or '.join(map(str, channels))} (as its mean and std): give other data as float tensors")
-    try:  # the label as training takes it: in a batch (default_collate), which the Prefetcher makes int64
-        target = default_collate([label])
-        torch.iinfo(target.dtype)  # an integer dtype: not bool
-    except (TypeError, AttributeError):  # None, a float, a bool, a string (a list of it then)
-        target = None
-    if target is None or target.shape != (1,) or not 0 <= int(target) < num_classes:
-        raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
-                        f"({num_classes - 1}): Python or numpy integers, or integer tensors of shape ()")
-    return (*sets, num_classes, inputs)
+    try:  # as the Prefetcher takes them
+        mean_std = None if mean is None else [torch.as_tensor(v, dtype=torch.float64) for v in (mean, std)]
+    except (TypeError, ValueError, RuntimeError):  # None, strings
+        mean_std = []
+    if mean_std is not None and not (mean_std and mean_std[0].ndim == 1 and mean_std[0].shape == mean_std[1].shape
+                                     and mean_std[0].isfinite().all() and (mean_std[1] > 0).all()):
+        raise UserError(f"{source}: its train set's mean {mean!r} and std {std!r} need one number per channel each, "
+                        f"every std above 0")
+    channels = tuple(NORMALIZE) if mean is None else (len(mean_std[0]),)
+    inputs = {}
+    for split, data in zip(("train", "val"), sets):
+        try:
+            item = data[0]
+        except RankError:  # an unreadable image: the rank that reads it in training or evaluation says so
+            continue
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{source}: its {split} set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})"
+                            ) from None
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
+            raise UserError(f"{source}: an item of its {split} set is {type(item).__name__} "
+                            f"{tuple(type(x).__name__ for x in item) if isinstance(item, (tuple, list)) else ''}, "
+                            f"not (input tensor, label)")
+        inputs[split], label = item
+        shape = "x".join(map(str, inputs[split].shape))
+        if inputs[split].dtype == torch.uint8 and (inputs[split].ndim != 3 or inputs[split].shape[0] not in channels):
+            raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are images, CxHxW "
+                            f"with C {' or '.join(map(str, channels))} (as its mean and std): give other data as float "
+                            f"tensors")
+        try:  # the label as training takes it: in a batch (default_collate), which the Prefetcher makes int64
+            target = default_collate([label])
+            torch.iinfo(target.dtype)  # an integer dtype: not bool
+        except (TypeError, AttributeError):  # None, a float, a bool, a string (a list of it then)
+            target = None
+        if target is None or target.shape != (1,) or not 0 <= int(target) < num_classes:
+            raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
+                            f"({num_classes - 1}): Python or numpy integers, or integer tensors of shape ()")
+    kinds = {split: (x.dtype, x.shape[:1] if x.ndim >= 3 else x.shape) for split, x in inputs.items()}  # images: C
+    if len(set(kinds.values())) > 1:
+        said = {split: f"{str(dtype).replace('torch.', '')} {'x'.join(map(str, inputs[split].shape))}"
+                for split, (dtype, _) in kinds.items()}
+        raise UserError(f"{source}: its train inputs are {said['train']}, its val inputs {said['val']}: give both "
+                        f"one dtype and one number of channels (or features)")
+    return (*sets, num_classes, inputs.get("val", inputs.get("train")))
 
 
 def check_model(args, num_classes=1000, example=None):
@@ -1722,9 +1757,12 @@ def check_model(args, num_classes=1000, example=None):
             return str(e).strip().splitlines()[-1][:200] if known or e is getattr(calls, "refused", None) else None
         if not isinstance(output, torch.Tensor):
             return f"it returns {type(output).__name__}, not logits"
-        wide = "x".join(map(str, output.shape))
+        wide = "x".join(map(str, output.shape)) or "a scalar"
         return None if tuple(output.shape) == (2, num_classes) else f"its logits are {wide}, not 2x{num_classes}"
 
+    if not any(p.requires_grad for p in model.parameters()):  # DDP and backward() would fail at the first step
+        raise UserError(f"--arch {args.arch} has no parameters to train (none, or all with requires_grad=False): "
+                        f"give it some that require gradients")
     reason = failure()
     if reason is None:
         return model
@@ -1761,10 +1799,21 @@ def check_fit(path, ckpt, sets, args):
     model = check_model(args, *check_datasets(sets, args)[2:])
     if not ckpt or model is None:  # a model the meta device cannot build: load_state_dict says what does not fit
         return
-    for flag, default in (("dropout", args.dropout), ("opt", "sgd")):  # checkpoints from before --opt: SGD's
-        trained, given = ckpt.get("args", {}).get(flag, default), getattr(args, flag)
-        said = {v: "the model's own dropout" if v is None else f"--{flag} {v}" for v in (trained, given)}
-        if trained != given and not args.evaluate:
+    kinds = {"args": dict, "optimizer": (dict, type(None)), "scheduler": dict, "scaler": dict, "epoch": int,
+             "step": int, "best_acc1": (int, float), "world_size": int, "rng_states": list}  # as RunState saves them
+    odd = next((key for key, kind in kinds.items() if key in ckpt and not isinstance(ckpt[key], kind)), None)
+    if odd and not args.evaluate:
+        raise UserError(f"{path}: its {odd} is a {type(ckpt[odd]).__name__}, which these scripts never save: the file "
+                        f"is damaged or made elsewhere; resume from another checkpoint, or evaluate it with -e")
+    # the step and the schedule count batches of --batch-size, the optimizer's groups follow --no-wd-norm-bias;
+    # checkpoints from before --opt: SGD's
+    for flag, default in (("dropout", args.dropout), ("opt", "sgd"), ("batch_size", args.batch_size),
+                          ("no_wd_norm_bias", False)) if not args.evaluate else ():
+        trained, given = ckpt.get("args", {}).get(flag, default), getattr(args, flag, default)
+        name = "--" + flag.replace("_", "-")
+        said = {v: "the model's own dropout" if v is None else name if v is True else f"no {name}" if v is False
+                else f"{name} {v}" for v in (trained, given)}
+        if trained != given:
             raise UserError(f"{path} was trained with {said[trained]}, this run has {said[given]}: continue it with "
                             f"{said[trained]}, or train without --resume")
     own, saved = getattr(model, "_orig_mod", model).state_dict(), ckpt["state_dict"]  # as RunState saves them
@@ -1834,6 +1883,21 @@ def explain_unreadable(read_checkpoint):
             raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; resume from "
                             f"another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
     return read
+
+
+def explain_damaged(load_state_dict):
+    """RunState.load_state_dict; a checkpoint whose parts do not load (damaged, or made by hand or by another
+    program: check_fit has checked its weights and the types of its parts) stops the run in one line."""
+    def load(run, ckpt, args, *rest):
+        try:
+            return load_state_dict(run, ckpt, args, *rest)
+        except (UserError, torch.OutOfMemoryError, torch.distributed.DistError):
+            raise
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot resume from {resume_path(args)} ({reason}): the file is damaged or made "
+                            f"elsewhere; resume from another checkpoint, or move it away to start fresh") from None
+    return load
 
 
 def check_same_checkpoint(views):
@@ -1928,6 +1992,14 @@ def explain_failure(error, args):
         return RankError(f"{what} {ended}: if the out-of-memory killer ended it (dmesg says so), use fewer "
                          f"-j/--workers or give the job more memory; otherwise -j 0 shows the error in the training "
                          f"process")
+    if "Expected to have finished reduction in the prior iteration" in text:  # DDP's words
+        return UserError("the model has parameters that get no gradient in a training step, and DDP waits for every "
+                         "one: make the loss use them, drop them from the model, or freeze them (requires_grad=False)")
+    mixed = ("must have the same dtype", "should be the same", "expected scalar type", "to be on the same device")
+    if any(words in text for words in mixed):  # F.linear's, a convolution's, a norm's words
+        return UserError(f"the model and its inputs differ in dtype or device ({lines[-1][:120]}): give them one dtype "
+                         f"(model.float() in build_model, or the data's tensors .float()), and keep the model's "
+                         f"tensors in parameters or buffers, which move to the device with it")
     specific = [line for line in lines if not line.startswith(("nccl", "Last error"))] or lines  # not NCCL's glosses
     line = next((line for line in lines if any(words in line.lower() for words in PEER_GONE)), specific[-1])
     if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
@@ -2019,6 +2091,10 @@ def claim_output_dir(args, rank, log):
                         f"--output-dir, or wait for that run to end") from None
     except OSError as e:  # a filesystem without locks
         log(f"note: cannot lock --output-dir {args.output_dir} ({e.strerror}); make sure no other run uses it")
+    theirs, resumed = os.path.join(args.output_dir, CHECKPOINT), resume_path(args)
+    if os.path.lexists(theirs) and not (resumed and os.path.realpath(resumed) == os.path.realpath(theirs)):
+        raise UserError(f"--output-dir {args.output_dir} holds the checkpoint of an earlier run, which this one would "
+                        f"overwrite: continue that run with --resume auto, or give another --output-dir")
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
@@ -2029,6 +2105,7 @@ def claim_output_dir(args, rank, log):
 main_worker = safety_net(main_worker)
 save_checkpoint = explain_failed_save(save_checkpoint)
 read_checkpoint = explain_unreadable(read_checkpoint)
+RunState.load_state_dict = explain_damaged(RunState.load_state_dict)
 # endregion [safety]
 
 

@@ -155,6 +155,7 @@ def build_datasets(args):
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
     without it. local_index: the process's index on its node, where the script starts the processes itself."""
+    check_torchrun()  # [safety]
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # [preemption]
@@ -170,7 +171,6 @@ def find_processes(args, local_index):
 
 def start_process_group(args, rank, world_size, device, log):
     """Starts the process group (none for one process); returns the CPU group for preemption, or None."""
-    check_torchrun(log)  # [safety]
     if "WORLD_SIZE" not in os.environ:
         return None
     timeout = datetime.timedelta(seconds=args.dist_timeout)
@@ -280,7 +280,7 @@ def sync_buffers(model):
 # train_one_epoch and evaluate are the same text in every ImageNet sibling.
 # =============================================================================================
 def main():
-    first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0  # reports for its node: each may see its own problem
+    first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"  # reports for its node: each may see its own problem
     try:
         sys.exit(main_worker(parse_args()))  # None (0): finished
     except UserError as e:
@@ -532,6 +532,8 @@ def in_range(kind, at_least=None, above=None, below=None):
         if not (math.isfinite(value) and (at_least is None or value >= at_least)
                 and (above is None or value > above) and (below is None or value < below)):
             raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        if kind is int and value >= 2**31:  # seeds, counts: larger ones overflow in torch, or never end
+            raise argparse.ArgumentTypeError(f"{text} is too large: give {wanted}, below 2**31")
         return value
 
     convert.bounds = (kind, at_least, above, below)
@@ -708,7 +710,7 @@ class TrainSampler(DistributedSampler):
         return iter([(i, (base + i) % 2**63) for i in list(super().__iter__())[self.start:]])
 
     def __len__(self):
-        return super().__len__() - self.start
+        return max(super().__len__() - self.start, 0)  # a resume point past the end: nothing left of the epoch
 
 
 class SeededSamples(Dataset):
@@ -1104,16 +1106,26 @@ def write_epoch(row, writer, output_dir):
 # Keep it, or delete it whole: its region and every line tagged [safety].
 # =============================================================================================
 # region [safety]
-def check_torchrun(log):
-    """torchrun's variables set in part (by hand, or left from another job), and --max-restarts' shared store."""
+def check_torchrun():
+    """torchrun's variables set in part (by hand, or left from another job) or not numbers that fit together, and
+    --max-restarts' shared store."""
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     present = [v for v in names if v in os.environ]
     if set(present) & {"RANK", "LOCAL_RANK", "WORLD_SIZE"} and len(present) < len(names):
         raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in names if v not in present)}:"
                         f" start the script with torchrun, or unset them to run one process")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        log("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the store "
-            "shared, restarted workers can read their predecessors' addresses and fail (pytorch/pytorch#135712)")
+    given = {name: os.environ.get(name, default) for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"),
+             ("WORLD_SIZE", "1"), ("MASTER_PORT", "1"), ("TORCHELASTIC_MAX_RESTARTS", "0"))}
+    if not (all(v.isdigit() for v in given.values()) and int(given["RANK"]) < int(given["WORLD_SIZE"])
+            and int(given["MASTER_PORT"]) < 2**16):
+        shown = ", ".join(f"{name}={value!r}" for name, value in given.items() if name in os.environ)
+        raise RankError(f"torchrun's variables are not numbers that fit together ({shown}): start the script with "
+                        f"torchrun, or unset them to run one process")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(given["TORCHELASTIC_MAX_RESTARTS"]):
+        if given["RANK"] == "0":
+            print("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the "
+                  "store shared, restarted workers can read their predecessors' addresses and fail "
+                  "(pytorch/pytorch#135712)", flush=True)
 
 
 def check_args(args):
@@ -1215,6 +1227,21 @@ def explain_unreadable(read_checkpoint):
     return read
 
 
+def explain_damaged(load_state_dict):
+    """RunState.load_state_dict; a checkpoint whose parts do not load (damaged, or made by hand or by another
+    program: check_fit has checked its weights and the types of its parts) stops the run in one line."""
+    def load(run, ckpt, args, *rest):
+        try:
+            return load_state_dict(run, ckpt, args, *rest)
+        except (UserError, torch.OutOfMemoryError, torch.distributed.DistError):
+            raise
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise UserError(f"cannot resume from {resume_path(args)} ({reason}): the file is damaged or made "
+                            f"elsewhere; resume from another checkpoint, or move it away to start fresh") from None
+    return load
+
+
 def check_same_checkpoint(views):
     """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
     if len(set(views)) > 1:
@@ -1284,6 +1311,14 @@ def explain_failure(error, args):
         return RankError(f"{what} {ended}: if the out-of-memory killer ended it (dmesg says so), use fewer "
                          f"-j/--workers or give the job more memory; otherwise -j 0 shows the error in the training "
                          f"process")
+    if "Expected to have finished reduction in the prior iteration" in text:  # DDP's words
+        return UserError("the model has parameters that get no gradient in a training step, and DDP waits for every "
+                         "one: make the loss use them, drop them from the model, or freeze them (requires_grad=False)")
+    mixed = ("must have the same dtype", "should be the same", "expected scalar type", "to be on the same device")
+    if any(words in text for words in mixed):  # F.linear's, a convolution's, a norm's words
+        return UserError(f"the model and its inputs differ in dtype or device ({lines[-1][:120]}): give them one dtype "
+                         f"(model.float() in build_model, or the data's tensors .float()), and keep the model's "
+                         f"tensors in parameters or buffers, which move to the device with it")
     specific = [line for line in lines if not line.startswith(("nccl", "Last error"))] or lines  # not NCCL's glosses
     line = next((line for line in lines if any(words in line.lower() for words in PEER_GONE)), specific[-1])
     if line.startswith("NCCL error in:"):  # NCCL error in: FILE:LINE, what happened, NCCL version X
@@ -1375,6 +1410,10 @@ def claim_output_dir(args, rank, log):
                         f"--output-dir, or wait for that run to end") from None
     except OSError as e:  # a filesystem without locks
         log(f"note: cannot lock --output-dir {args.output_dir} ({e.strerror}); make sure no other run uses it")
+    theirs, resumed = os.path.join(args.output_dir, CHECKPOINT), resume_path(args)
+    if os.path.lexists(theirs) and not (resumed and os.path.realpath(resumed) == os.path.realpath(theirs)):
+        raise UserError(f"--output-dir {args.output_dir} holds the checkpoint of an earlier run, which this one would "
+                        f"overwrite: continue that run with --resume auto, or give another --output-dir")
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
@@ -1385,6 +1424,7 @@ def claim_output_dir(args, rank, log):
 main_worker = safety_net(main_worker)
 save_checkpoint = explain_failed_save(save_checkpoint)
 read_checkpoint = explain_unreadable(read_checkpoint)
+RunState.load_state_dict = explain_damaged(RunState.load_state_dict)
 # endregion [safety]
 
 

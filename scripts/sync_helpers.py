@@ -37,7 +37,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "span_union", "span_c
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["check_torchrun", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
           "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus", "explain_failed_save",
-          "explain_unreadable", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE", "explain_failure",
+          "explain_unreadable", "explain_damaged", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE",
+          "explain_failure",
           "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX
@@ -96,7 +97,8 @@ def units(source):
     for node in body[first:last]:
         start = offset[min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1]
         end = offset[node.end_lineno]
-        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)] + [getattr(node, "name", None)]
+        # a name, or the class whose attribute is set again (RunState.load_state_dict wrapped by the safety net)
+        names = [ast.unparse(t).split(".")[0] for t in getattr(node, "targets", [])] + [getattr(node, "name", None)]
         name = next(filter(None, names))
         key = ("=", name) if name in seen else name
         seen.add(name)

@@ -43,6 +43,18 @@ def first_train_image(data):
     return data / "train" / "class0" / "0000.JPEG"
 
 
+def earlier_run(tmp_path):
+    """An --output-dir that holds the checkpoint of an earlier run."""
+    folder = tmp_path / "earlier"
+    folder.mkdir()
+    checkpoint(tmp_path).rename(folder / "checkpoint.pth.tar")
+    return ["--output-dir", folder]
+
+
+TRAINING_STATE = {"epoch": 1, "scheduler": {}, "scaler": {}, "best_acc1": 0.0, "args": {}}
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
 # name: (processes, arguments given the dataset and a scratch folder, what the error line must say)
 CASES = {
     "a value out of its range, on two ranks": (2, lambda d, t: [d, "-p", "0"],
@@ -122,6 +134,40 @@ CASES = {
     "resume with another optimizer": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"opt": "adamw"})],
                                       r"ckpt.pth.tar was trained with --opt adamw, this run has --opt sgd: continue it "
                                       r"with --opt adamw, or train without --resume"),
+    "resume with another global batch": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"batch_size": 64})],
+                                        r"ckpt.pth.tar was trained with --batch-size 64, this run has --batch-size "
+                                        r"16: continue it with --batch-size 64, or train without --resume"),
+    "resume without --no-wd-norm-bias": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"no_wd_norm_bias": True})],
+                                         r"trained with --no-wd-norm-bias, this run has no --no-wd-norm-bias: "
+                                         r"continue it with --no-wd-norm-bias"),
+    "resume checkpoint with a part of another type": (1, lambda d, t: [d, "--resume", checkpoint(t, args="-b 16")],
+                                                      r"ckpt.pth.tar: its args is a str, which these scripts never "
+                                                      r"save: the file is damaged or made elsewhere"),
+    "resume checkpoint whose weights are no tensors": (1, lambda d, t: [d, "--resume", checkpoint(
+        t, drop=("fc.bias",), state_dict={"fc.weight": 1.0})], r"ckpt.pth.tar is not a checkpoint of these scripts "
+                                                              r"\(no state_dict of tensors\): resume from one"),
+    "resume checkpoint whose optimizer state does not load": (
+        1, lambda d, t: [d, "--resume", checkpoint(t, optimizer={"state": {}, "param_groups": []}, **TRAINING_STATE)],
+        r"cannot resume from .*ckpt.pth.tar \(.*parameter groups\): the file is damaged or made elsewhere"),
+    "a fresh run over an earlier run's checkpoint": (1, lambda d, t: [d, *earlier_run(t)],
+                                                     r"--output-dir .*earlier holds the checkpoint of an earlier run, "
+                                                     r"which this one would overwrite: continue that run with --resume "
+                                                     r"auto, or give another --output-dir"),
+    "torchrun's variables not numbers": (1, lambda d, t: [d], r"torchrun's variables are not numbers that fit "
+                                                             r"together \(RANK='0', LOCAL_RANK='x', WORLD_SIZE='1', "
+                                                             r"MASTER_PORT='29500'\)",
+                                         {**TORCHRUN_ENV, "LOCAL_RANK": "x"}),
+    "torchrun's rank past its world": (1, lambda d, t: [d], r"torchrun's variables are not numbers that fit together "
+                                                           r"\(RANK='3', LOCAL_RANK='0', WORLD_SIZE='1'",
+                                       {**TORCHRUN_ENV, "RANK": "3", "LOCAL_RANK": "0"}),
+    "a backend torch lacks": (1, lambda d, t: [d, "--dist-backend", "glo"],
+                              r"--dist-backend glo: glo is not a backend of this torch; leave the flag out"),
+    "nccl without a GPU, on two ranks": (2, lambda d, t: [d, "--dist-backend", "nccl"],
+                                         r"--dist-backend nccl: nccl needs GPUs; leave the flag out \(nccl with GPUs, "
+                                         r"gloo without\), or give gloo"),
+    "a seed too large for torch": (1, lambda d, t: [d, "--seed", str(2**64)],
+                                   r"argument --seed: 18446744073709551616 is too large: give an integer >= 0, below "
+                                   r"2\*\*31"),
     "resume checkpoint of another arch": (1, lambda d, t: [d, "--resume", checkpoint(t, arch="resnet50")],
                                           r"ckpt.pth.tar holds a resnet50 model, not resnet18: pass -a resnet50"),
     "loss becomes NaN": (2, lambda d, t: [d, "--lr", "1e9", "-p", "2"],

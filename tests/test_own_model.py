@@ -163,7 +163,33 @@ def not_a_module(num_classes):
     return {"weights": None}
 
 
+def frozen_mlp(num_classes):
+    return MLP(num_classes).requires_grad_(False)
+
+
+def double_mlp(num_classes):
+    return MLP(num_classes).double()
+
+
+class Unused(MLP):
+    """A layer that forward never calls: DDP waits for its gradient."""
+
+    def __init__(self, num_classes):
+        super().__init__(num_classes)
+        self.spare = nn.Linear(32, num_classes)
+
+
+def unused_mlp(num_classes):
+    return Unused(num_classes)
+
+
 def short_rows(args):
+    train, val = table(args)
+    train.rows, val.rows = train.rows[:, :7], val.rows[:, :7]
+    return train, val
+
+
+def short_val_rows(args):
     train, val = table(args)
     val.rows = val.rows[:, :7]
     return train, val
@@ -449,6 +475,15 @@ BAD = {
                    r"--dataset mine:not_a_pair returned a Table, not a pair \(train_set, val_set\)"),
     "inputs of the wrong shape": (["--dataset", "mine:short_rows", "-a", "mine:mlp"],
                                   r"--arch mine:mlp does not take the data's inputs \(7 float32\): "),
+    "val inputs unlike the train inputs": (["--dataset", "mine:short_val_rows", "-a", "mine:mlp"],
+                                           r"its train inputs are float32 20, its val inputs float32 7: give both one "
+                                           r"dtype and one number of channels"),
+    "a model with nothing to train": (["--dataset", "mine:table", "-a", "mine:frozen_mlp"],
+                                      r"--arch mine:frozen_mlp has no parameters to train \(none, or all with "
+                                      r"requires_grad=False\)"),
+    "a model in another dtype than the data": (["--dataset", "mine:table", "-a", "mine:double_mlp"],
+                                               r"the model and its inputs differ in dtype or device \(.*\): give them "
+                                               r"one dtype \(model.float\(\) in build_model"),
     "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
@@ -482,3 +517,11 @@ def test_bad_input_gets_one_clear_line(name, project, reference, tmp_path):
     job = python(project / "distributed.py", *args, "-b", "16", "-j", "0", "--output-dir", tmp_path,
                  cwd=project).finish(120)
     assert_one_clear_line(job, expected)
+
+
+def test_parameters_that_get_no_gradient_under_ddp_are_one_clear_line(project, tmp_path):
+    """One process trains the model; DDP over two waits for the spare layer's gradient and fails at the second step."""
+    job = torchrun(project / "distributed.py", 2, "--dataset", "mine:table", "-a", "mine:unused_mlp", "-b", "16",
+                   "-j", "0", "--epochs", "1", "--output-dir", tmp_path, cwd=project).finish(120)
+    assert_one_clear_line(job, r"the model has parameters that get no gradient in a training step, and DDP waits for "
+                               r"every one: make the loss use them", launcher_reports=True)
