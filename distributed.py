@@ -1706,6 +1706,11 @@ def check_fit(path, ckpt, sets, args):
     if lacking and not args.evaluate:  # weights alone: another tool's, or a compiled model's state_dict saved by hand
         raise UserError(f"{path} holds weights but no training state ({', '.join(lacking)}): evaluate it with -e; "
                         f"training resumes from this repository's checkpoints only")
+    diverged = next((key for key, value in saved.items() if value.is_floating_point() and value.device.type != "meta"
+                     and not value.isfinite().all()), None)  # (FSDP's weights are read later, from the shards)
+    if diverged:
+        raise UserError(f"{path} holds NaN/inf weights ({diverged}): the run had diverged; use a checkpoint saved "
+                        f"before (model_best.pth.tar, or another copy)")
 
 
 def check_shared_gpus(store, world_size, device, backend):
@@ -1820,6 +1825,10 @@ def explain_failure(error, args):
     DataLoader worker killed, NCCL failing here; any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
+    output_dir = os.path.abspath(getattr(args, "output_dir", "/"))
+    if isinstance(error, OSError) and os.path.abspath(str(error.filename)).startswith(output_dir + os.sep):
+        return RankError(f"cannot write {error.filename} ({error.strerror}): give --output-dir a folder where this "
+                         f"run's files (checkpoints, metrics.jsonl, tb/) can be written")
     if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
         return UserError(f"not every rank joined the process group within --dist-timeout "
                          f"{getattr(args, 'dist_timeout', 0):g}s: a rank elsewhere may have stopped (see the output "

@@ -310,7 +310,7 @@ def main_worker(args, local_index=None):
     train_sampler, train_batches, val_volumes = build_loaders(args, train_set, val_set, rank, world_size, device)
     config = model_config(args, train_set.channels)
     ckpt_path = resume_path(args)
-    ckpt = load_checkpoint(ckpt_path, config) if ckpt_path else None
+    ckpt = load_checkpoint(ckpt_path, config, args) if ckpt_path else None
     claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed)
     model = UNet3D(**config)  # the same initial weights on every rank
@@ -817,8 +817,9 @@ def read_checkpoint(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_checkpoint(path, config):
-    """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape, without a wrapper's prefix."""
+def load_checkpoint(path, config, args):
+    """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape (and, to train on, of this global
+    batch, whose batches its step counts), without a wrapper's prefix."""
     ckpt = read_checkpoint(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":  # [safety]
         raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")  # [safety]
@@ -827,6 +828,11 @@ def load_checkpoint(path, config):
                          if k != "in_channels")  # [safety]
         raise UserError(f"{path} holds a U-Net with {ckpt['model']}, not {config}: pass {flags}, "  # [safety]
                         f"or another checkpoint")  # [safety]
+    trained = ckpt.get("args", {}).get("batch_size", args.batch_size)  # [safety]
+    if trained != args.batch_size and not args.evaluate:  # [safety]
+        raise UserError(f"{path} was trained with --batch-size {trained}, this run has --batch-size "  # [safety]
+                        f"{args.batch_size}: continue it with --batch-size {trained}, or train without "  # [safety]
+                        f"--resume")  # [safety]
     consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
     return ckpt
 
@@ -1270,6 +1276,10 @@ def explain_failure(error, args):
     DataLoader worker killed, NCCL failing here; any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
+    output_dir = os.path.abspath(getattr(args, "output_dir", "/"))
+    if isinstance(error, OSError) and os.path.abspath(str(error.filename)).startswith(output_dir + os.sep):
+        return RankError(f"cannot write {error.filename} ({error.strerror}): give --output-dir a folder where this "
+                         f"run's files (checkpoints, metrics.jsonl, tb/) can be written")
     if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
         return UserError(f"not every rank joined the process group within --dist-timeout "
                          f"{getattr(args, 'dist_timeout', 0):g}s: a rank elsewhere may have stopped (see the output "

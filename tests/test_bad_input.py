@@ -51,6 +51,21 @@ def earlier_run(tmp_path):
     return ["--output-dir", folder]
 
 
+def diverged_checkpoint(tmp_path):
+    path = checkpoint(tmp_path)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["state_dict"]["fc.weight"][0, 0] = float("nan")
+    torch.save(ckpt, path)
+    return path
+
+
+def blocked_output_dir(tmp_path):
+    """An --output-dir where metrics.jsonl is a folder: found when the first epoch is logged."""
+    folder = tmp_path / "blocked"
+    (folder / "metrics.jsonl").mkdir(parents=True)
+    return ["--output-dir", folder]
+
+
 TRAINING_STATE = {"epoch": 1, "scheduler": {}, "scaler": {}, "best_acc1": 0.0, "args": {}}
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
@@ -149,6 +164,12 @@ CASES = {
     "resume checkpoint whose optimizer state does not load": (
         1, lambda d, t: [d, "--resume", checkpoint(t, optimizer={"state": {}, "param_groups": []}, **TRAINING_STATE)],
         r"cannot resume from .*ckpt.pth.tar \(.*parameter groups\): the file is damaged or made elsewhere"),
+    "evaluate a checkpoint of NaN weights": (1, lambda d, t: [d, "-e", "--resume", diverged_checkpoint(t)],
+                                             r"ckpt.pth.tar holds NaN/inf weights \(fc.weight\): the run had "
+                                             r"diverged; use a checkpoint saved before"),
+    "an output file that cannot be written": (1, lambda d, t: [d, *blocked_output_dir(t)],
+                                              r"cannot write .*blocked/metrics.jsonl \(Is a directory\): give "
+                                              r"--output-dir a folder where this run's files"),
     "a fresh run over an earlier run's checkpoint": (1, lambda d, t: [d, *earlier_run(t)],
                                                      r"--output-dir .*earlier holds the checkpoint of an earlier run, "
                                                      r"which this one would overwrite: continue that run with --resume "

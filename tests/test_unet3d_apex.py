@@ -247,6 +247,9 @@ CASES = {
     "resume checkpoint of another model": (1, lambda d, t: [d, "--resume", other_model_checkpoint(t)],
                                            r"ckpt.pth.tar holds a U-Net with .*'base_channels': 16.*: "
                                            r"pass --base-channels 16 --depth 4 --norm batch"),
+    "resume with another global batch": (
+        1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, args={"batch_size": 8})],
+        r"ckpt.pth.tar was trained with --batch-size 8, this run has --batch-size 4: continue it with --batch-size 8"),
     "a NaN voxel makes the loss NaN": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(
         x / "train" / "images" / "vol0.npy", nan_volume()))],
                                        r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
@@ -259,10 +262,10 @@ def nan_volume():
     return volume
 
 
-def other_model_checkpoint(tmp_path):
+def other_model_checkpoint(tmp_path, base_channels=16, depth=4, **content):
     path = tmp_path / "ckpt.pth.tar"
-    torch.save({"arch": "unet3d", "model": {"in_channels": 1, "base_channels": 16, "depth": 4, "norm": "batch"},
-                "state_dict": {}}, path)
+    model = {"in_channels": 1, "base_channels": base_channels, "depth": depth, "norm": "batch"}
+    torch.save({"arch": "unet3d", "model": model, "state_dict": {}, **content}, path)
     return path
 
 
