@@ -1533,6 +1533,12 @@ def check_torchrun():
         shown = ", ".join(f"{name}={value!r}" for name, value in given.items() if name in os.environ)
         raise RankError(f"torchrun's variables are not numbers that fit together ({shown}): start the script with "
                         f"torchrun, or unset them to run one process")
+    address = os.environ.get("MASTER_ADDR") or "localhost"
+    try:
+        socket.getaddrinfo(address, None)
+    except OSError as e:  # a name that does not resolve: the rendezvous would time out
+        raise RankError(f"MASTER_ADDR={address} does not resolve ({e.strerror}): give the address of the node of "
+                        f"rank 0") from None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(given["TORCHELASTIC_MAX_RESTARTS"]):
         if given["RANK"] == "0":
             print("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the "
@@ -1980,6 +1986,9 @@ def explain_failure(error, args):
         line = line.split(", ", 1)[-1]
     detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
     lowered, timeout = text.lower(), f"--dist-timeout {getattr(args, 'dist_timeout', 1800):g}s"  # DataParallel: none
+    if "trying to connect to" in lowered:  # the rendezvous store, never reached
+        return RankError(f"cannot reach the rendezvous store within {timeout} ({detail}): start the node of rank 0 "
+                         f"first, and check that its address and port can be reached from here")
     if any(words in lowered for words in ("timed out", "timeout", "timing out")):
         return RankError(f"a rank stopped answering: this one waited {timeout} for it "
                          f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "

@@ -1861,6 +1861,9 @@ def explain_failure(error, args):
         line = line.split(", ", 1)[-1]
     detail = line.split("] ")[-1].split(". ")[0].rstrip(".")[:120]  # without gloo's source location
     lowered, timeout = text.lower(), f"--dist-timeout {getattr(args, 'dist_timeout', 1800):g}s"  # DataParallel: none
+    if "trying to connect to" in lowered:  # the rendezvous store, never reached
+        return RankError(f"cannot reach the rendezvous store within {timeout} ({detail}): start the node of rank 0 "
+                         f"first, and check that its address and port can be reached from here")
     if any(words in lowered for words in ("timed out", "timeout", "timing out")):
         return RankError(f"a rank stopped answering: this one waited {timeout} for it "
                          f"({detail}); find the stuck process (py-spy dump --pid PID shows where it is), and lower "

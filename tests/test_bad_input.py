@@ -181,6 +181,15 @@ CASES = {
     "torchrun's rank past its world": (1, lambda d, t: [d], r"torchrun's variables are not numbers that fit together "
                                                            r"\(RANK='3', LOCAL_RANK='0', WORLD_SIZE='1'",
                                        {**TORCHRUN_ENV, "RANK": "3", "LOCAL_RANK": "0"}),
+    "a rendezvous address that does not resolve": (1, lambda d, t: [d], r"MASTER_ADDR=no.such.host.invalid does not "
+                                                                       r"resolve \(.*\): give the address of the node",
+                                                   {**TORCHRUN_ENV, "LOCAL_RANK": "0",
+                                                    "MASTER_ADDR": "no.such.host.invalid"}),
+    "a rendezvous store nobody serves": (1, lambda d, t: [d, "--dist-timeout", "3"],
+                                         r"cannot reach the rendezvous store within --dist-timeout 3s \(.*trying to "
+                                         r"connect to .*\): start the node of rank 0 first",
+                                         {**TORCHRUN_ENV, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                                          "MASTER_PORT": str(free_port())}),
     "a backend torch lacks": (1, lambda d, t: [d, "--dist-backend", "glo"],
                               r"--dist-backend glo: glo is not a backend of this torch; leave the flag out"),
     "nccl without a GPU, on two ranks": (2, lambda d, t: [d, "--dist-backend", "nccl"],
