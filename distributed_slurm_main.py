@@ -237,8 +237,9 @@ def build_datasets(args):
     if args.dataset:  # [spec]
         sets = call_spec(args.dataset, "--dataset", args)  # [spec]
         if isinstance(sets, (tuple, list)) and len(sets) == 2:  # [spec]
-            sets = [ImageCrops(data, tf) if hasattr(data, "__getitem__") else data  # [spec]
-                    for data, tf in zip(sets, (train_tf, val_tf))]  # [spec]
+            mapped = [hasattr(data, "__len__") and hasattr(data, "__getitem__") for data in sets]  # [spec]
+            sets = [ImageCrops(data, tf) if wrap else data  # [spec]
+                    for data, tf, wrap in zip(sets, (train_tf, val_tf), mapped)]  # [spec]
         return sets  # [spec]
     if args.dummy:  # [dummy]
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),  # [dummy]
@@ -1540,7 +1541,10 @@ class ImageCrops(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        inputs, label = self.dataset[index]
+        item = self.dataset[index]
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            return item  # no (input, label) pair: check_items says so
+        inputs, label = item
         fits = isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8 and inputs.ndim == 3
         return (self.transform(inputs) if fits else inputs), label
 # endregion [spec]
@@ -1637,11 +1641,12 @@ def check_run(args, world_size, device, sets):
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
     check_launch_args(args, world_size, device)
-    for name in [part.split(":")[-1] for part in (getattr(args, "dist_backend", None) or "").split(",") if part]:
+    backend = getattr(args, "dist_backend", None) or ""  # (Horovod and DataParallel have no such flag)
+    for name in [part.split(":")[-1] for part in backend.split(",") if part]:
         known = torch.distributed.is_backend_available(name)  # (torch.distributed: Horovod's imports no dist)
         if not known or (name == "nccl" and device.type != "cuda"):
             what = "needs GPUs" if known else "is not a backend of this torch"
-            raise UserError(f"--dist-backend {args.dist_backend}: {name} {what}; leave the flag out (nccl with GPUs, "
+            raise UserError(f"--dist-backend {backend}: {name} {what}; leave the flag out (nccl with GPUs, "
                             f"gloo without), or give gloo")
     train_set = check_datasets(sets, args)[0]
     if len(train_set) < args.batch_size and not args.evaluate:

@@ -1,4 +1,4 @@
-"""Keeps the README's links into the scripts pointing at the right lines.
+"""Keeps the README's links into the scripts pointing at the right lines, and its table of line counts true.
 
 A link [`name`](script.py#L123) or [`name` in script.py](script.py#L123) promises that line 123 of
 script.py holds `name` (quoted parts such as "state_dict" may appear as 'state_dict'). After a script
@@ -7,7 +7,9 @@ changes, run
     python scripts/readme_links.py          # rewrites the line numbers in README.md
     python scripts/readme_links.py --check  # lists links whose line no longer holds the name; exit 1
 
-A name is looked up as `def name` / `class name` first, then as the first line that contains it.
+A name is looked up as `def name` / `class name` first, then as the first line that contains it. The table
+"| `script.py` | lines | the core |" gets each script's line count, whole and cut to its core (every block
+deleted by its markers, README: Copy only what you need).
 """
 import re
 import sys
@@ -15,6 +17,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\[`([^`]+)`[^\]]*\]\(([\w./-]+\.py)#L(\d+)\)")
+COUNTS = re.compile(r"^\| `(\w+\.py)` \| \d+ \| \d+ \|$", re.M)
+BLOCK = re.compile(r"^ *# region \[.*?^ *# endregion \[[^\n]*\n", re.M | re.S)
+
+
+def line_counts(script):
+    """The script's lines, whole and as the core: its blocks' regions and tagged lines deleted."""
+    text = (ROOT / script).read_text()
+    core = [line for line in BLOCK.sub("", text).splitlines() if not re.search(r"#( \[[a-z0-9-]+\])+$", line)]
+    return f"| `{script}` | {len(text.splitlines())} | {len(core)} |"
 
 
 def matches(line, name):
@@ -63,7 +74,7 @@ def main(argv):
             return m[0]
         return m[0][: m[0].rindex("#L")] + f"#L{found})"
 
-    readme.write_text(LINK.sub(fix, text))
+    readme.write_text(COUNTS.sub(lambda m: line_counts(m[1]), LINK.sub(fix, text)))
     print("\n".join(missing) or "README.md: links updated")
     return 1 if missing else 0
 

@@ -163,6 +163,32 @@ def not_a_module(num_classes):
     return {"weights": None}
 
 
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(Table(8, 0))
+
+
+def iterable(args):
+    return Stream(), Table(40, 1)
+
+
+class Holes(Table):
+    """Item 3 of the training set is None."""
+
+    def __getitem__(self, index):
+        return None if index == 3 else super().__getitem__(index)
+
+
+def holes(args):
+    return Holes(192, 0), Table(40, 1)
+
+
+def words_as_mean(args):
+    train, val = grey_images(args)
+    train.mean, train.std = "0.5", "0.2"
+    return train, val
+
+
 def frozen_mlp(num_classes):
     return MLP(num_classes).requires_grad_(False)
 
@@ -478,6 +504,13 @@ BAD = {
     "val inputs unlike the train inputs": (["--dataset", "mine:short_val_rows", "-a", "mine:mlp"],
                                            r"its train inputs are float32 20, its val inputs float32 7: give both one "
                                            r"dtype and one number of channels"),
+    "an iterable dataset": (["--dataset", "mine:iterable", "-a", "mine:mlp"],
+                            r"--dataset mine:iterable: its train set, a Stream, is not a map-style dataset"),
+    "a training item that is no pair": (["--dataset", "mine:holes", "-a", "mine:mlp"],
+                                        r"the data's items differ within a batch .*or are not \(input, label\) pairs"),
+    "a mean and std that are no numbers": (["--dataset", "mine:words_as_mean", "-a", "mine:mlp"],
+                                           r"its train set's mean '0.5' and std '0.2' need one number per channel "
+                                           r"each, every std above 0"),
     "a model with nothing to train": (["--dataset", "mine:table", "-a", "mine:frozen_mlp"],
                                       r"--arch mine:frozen_mlp has no parameters to train \(none, or all with "
                                       r"requires_grad=False\)"),
