@@ -10,5 +10,6 @@ else
     ARGS="--dummy --dummy-size 1024 --epochs 3 --crop-size 32 --val-resize 40 -b 32 --lr 0.02 -j 1"
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+rm -rf output/demo  # a fresh demo each time (a run never overwrites another's checkpoint)
 # shellcheck disable=SC2086
 exec .venv/bin/torchrun --standalone --nproc_per_node="$NPROC" distributed.py $ARGS --output-dir output/demo "$@"
