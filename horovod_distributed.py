@@ -1807,8 +1807,8 @@ def explain_failure(error, args):
     DataLoader worker killed, NCCL failing here; any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
-    output_dir = os.path.abspath(getattr(args, "output_dir", "/"))
-    if isinstance(error, OSError) and os.path.abspath(str(error.filename)).startswith(output_dir + os.sep):
+    written = os.path.abspath(str(getattr(error, "filename", None) or "/"))  # a file of this run's output?
+    if isinstance(error, OSError) and written.startswith(os.path.abspath(getattr(args, "output_dir", "/")) + os.sep):
         return RankError(f"cannot write {error.filename} ({error.strerror}): give --output-dir a folder where this "
                          f"run's files (checkpoints, metrics.jsonl, tb/) can be written")
     if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
