@@ -1747,7 +1747,11 @@ def check_datasets(sets, args):
             raise UserError(f"{source}: its {split} set's len() fails ({e}): return the number of items") from None
         if size == 0:
             raise UserError(f"{source}: its {split} set is empty")
-    own, num_classes = class_count(sets[0]), args.num_classes or class_count(sets[0])
+    try:
+        own = class_count(sets[0])
+    except TypeError:  # classes that have no len(): an iterator
+        own = None
+    num_classes = args.num_classes or own
     if not isinstance(num_classes, int) or num_classes < 1:
         raise UserError(f"{source}: its train set has no number of classes: give --num-classes N, or the set an "
                         f"attribute num_classes = N (or classes, a list of N names), labels being 0 to N-1")
