@@ -355,4 +355,4 @@ def test_a_second_run_in_the_same_output_folder_is_refused_and_a_killed_run_leav
     assert_one_clear_line(second, rf"--output-dir {tmp_path} is in use by another run \({holder}\): give another "
                                   r"--output-dir, or wait for that run to end", launcher_reports=True)
     first.kill()
-    ok(python(SCRIPT, image_data, *FAST, "--epochs", "1", "--output-dir", tmp_path))
+    ok(python(SCRIPT, image_data, *FAST, "--epochs", "1", "--resume", "auto", "--output-dir", tmp_path))
