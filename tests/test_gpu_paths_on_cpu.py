@@ -50,8 +50,7 @@ def test_a_unet_checkpoint_loaded_for_a_gpu_is_on_the_cpu(tmp_path):
     config = module.model_config(args, 1)
     torch.save({"arch": "unet3d", "model": config, "state_dict": module.UNet3D(**config).state_dict(), "epoch": 1,
                 "rng_states": [module.rng_state()]}, tmp_path / "ckpt.pth.tar")
-    *_, path = module.check_and_load(args, 0, 1, torch.device("meta"))
-    assert_resumes_with_cpu_states(module, module.load_checkpoint(path, config))
+    assert_resumes_with_cpu_states(module, module.load_checkpoint(module.resume_path(args), config, args))
 
 
 @pytest.mark.parametrize("script", DDP_SCRIPTS)
