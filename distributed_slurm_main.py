@@ -1722,10 +1722,10 @@ def check_datasets(sets, args):
         if target is None or target.shape != (1,) or not 0 <= int(target) < num_classes:
             raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
                             f"({num_classes - 1}): Python or numpy integers, or integer tensors of shape ()")
-    kinds = {split: (x.dtype, x.shape[:1] if x.ndim >= 3 else x.shape) for split, x in inputs.items()}  # images: C
+    kinds = {split: (x.dtype, x.ndim, x.shape[:1] if x.ndim >= 2 else x.shape) for split, x in inputs.items()}  # C
     if len(set(kinds.values())) > 1:
-        said = {split: f"{str(dtype).replace('torch.', '')} {'x'.join(map(str, inputs[split].shape))}"
-                for split, (dtype, _) in kinds.items()}
+        said = {split: f"{str(kind[0]).replace('torch.', '')} {'x'.join(map(str, inputs[split].shape))}"
+                for split, kind in kinds.items()}
         raise UserError(f"{source}: its train inputs are {said['train']}, its val inputs {said['val']}: give both "
                         f"one dtype and one number of channels (or features)")
     return (*sets, num_classes, inputs.get("val", inputs.get("train")))
@@ -1847,10 +1847,10 @@ def check_fit(path, ckpt, sets, args):
         raise UserError(f"{path} holds weights but no training state ({', '.join(lacking)}): evaluate it with -e; "
                         f"training resumes from this repository's checkpoints only")
     diverged = next((key for key, value in saved.items() if value.is_floating_point() and value.device.type != "meta"
-                     and not value.isfinite().all()), None)  # (FSDP's weights are read later, from the shards)
+                     and value.isnan().any()), None)  # (not inf: a mask buffer may hold it; FSDP's: in the shards)
     if diverged:
-        raise UserError(f"{path} holds NaN/inf weights ({diverged}): the run had diverged; use a checkpoint saved "
-                        f"before (model_best.pth.tar, or another copy)")
+        raise UserError(f"{path} holds NaN weights ({diverged}): the run had diverged; use a checkpoint saved before "
+                        f"(model_best.pth.tar, or another copy)")
 
 
 def check_shared_gpus(store, world_size, device, backend):

@@ -165,7 +165,7 @@ CASES = {
         1, lambda d, t: [d, "--resume", checkpoint(t, optimizer={"state": {}, "param_groups": []}, **TRAINING_STATE)],
         r"cannot resume from .*ckpt.pth.tar \(.*parameter groups\): the file is damaged or made elsewhere"),
     "evaluate a checkpoint of NaN weights": (1, lambda d, t: [d, "-e", "--resume", diverged_checkpoint(t)],
-                                             r"ckpt.pth.tar holds NaN/inf weights \(fc.weight\): the run had "
+                                             r"ckpt.pth.tar holds NaN weights \(fc.weight\): the run had "
                                              r"diverged; use a checkpoint saved before"),
     "an output file that cannot be written": (1, lambda d, t: [d, *blocked_output_dir(t)],
                                               r"cannot write .*blocked/metrics.jsonl \(Is a directory\): give "
