@@ -1204,7 +1204,8 @@ def start_loader_worker(worker_id):
 
 def die_with_parent(signum):
     """Linux sends this process `signum` once its parent is gone (prctl PR_SET_PDEATHSIG): a launcher killed with -9
-    leaves no process behind, and a training process saves on SIGTERM."""
+    leaves no process behind. A training process gets SIGTERM, and saves, once its process group is up; before, a
+    torchrun worker gets SIGKILL: its rendezvous would wait --dist-timeout for the store that died with torchrun."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
 

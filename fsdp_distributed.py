@@ -234,7 +234,7 @@ def find_processes(args, local_index):
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # [preemption]
-        die_with_parent(signal.SIGTERM)  # [preemption]
+        die_with_parent(signal.SIGKILL)  # [preemption]
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     if local_rank >= torch.cuda.device_count():  # [safety]
@@ -252,7 +252,10 @@ def start_process_group(args, rank, world_size, device, log):
         return None
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))  # torchrun's store
-    return join_process_group(args, store, rank, world_size, device)
+    group = join_process_group(args, store, rank, world_size, device)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # [preemption]
+        die_with_parent(signal.SIGTERM)  # [preemption]
+    return group
 
 
 def end_process_group():
@@ -1380,7 +1383,8 @@ def start_loader_worker(worker_id):
 
 def die_with_parent(signum):
     """Linux sends this process `signum` once its parent is gone (prctl PR_SET_PDEATHSIG): a launcher killed with -9
-    leaves no process behind, and a training process saves on SIGTERM."""
+    leaves no process behind. A training process gets SIGTERM, and saves, once its process group is up; before, a
+    torchrun worker gets SIGKILL: its rendezvous would wait --dist-timeout for the store that died with torchrun."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
 

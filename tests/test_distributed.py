@@ -159,10 +159,13 @@ def linear(num_classes):
 '''
 
 
-def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(signum, tmp_path):
     """SIGTERM to torchrun while the ranks still build their datasets (a scheduler's notice comes when it comes): the
     run stops as it does later, with a checkpoint and exit code 75 on every rank, not killed by the signal (which a
-    wrapper that requeues on 75, or the Slurm script's requeue on SIGUSR1, would take for a failure)."""
+    wrapper that requeues on 75, or the Slurm script's requeue on SIGUSR1, would take for a failure). SIGKILL then:
+    the ranks, with nothing trained to save, end at once, loader workers included; they used to wait --dist-timeout
+    (30 minutes) in the rendezvous for torchrun's store, gone with it."""
     (tmp_path / "slow.py").write_text(SLOW_START)
     started = tmp_path / "started"
     job = torchrun(SCRIPT, 2, "--dataset", "slow:rows", "-a", "slow:linear", "--num-classes", "2", "-b", "8", "-j",
@@ -171,8 +174,12 @@ def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(tmp_path):
     deadline = time.time() + 120
     while not all(Path(f"{started}{rank}").exists() for rank in (0, 1)) and time.time() < deadline:
         time.sleep(0.1)
-    job.proc.send_signal(signal.SIGTERM)
-    assert_preempted(job, tmp_path / "out", code=LAUNCHER_FAILED)
+    job.proc.send_signal(signum)
+    if signum == signal.SIGTERM:
+        assert_preempted(job, tmp_path / "out", code=LAUNCHER_FAILED)
+    else:
+        job.finish(timeout=60)  # and nothing is left (Job.finish checks)
+        assert job.returncode == -signum and not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
 
 def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line(image_data, tmp_path):
