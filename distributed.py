@@ -1200,10 +1200,14 @@ def start_loader_worker(worker_id):
 
 def die_with_parent(signum):
     """Linux sends this process `signum` once its parent is gone (prctl PR_SET_PDEATHSIG): a launcher killed with -9
-    leaves no process behind. A training process gets SIGTERM, and saves, once its process group is up; before, a
-    torchrun worker gets SIGKILL: its rendezvous would wait --dist-timeout for the store that died with torchrun."""
+    leaves no process behind. A training process gets SIGTERM, and saves, once its process group is up; before, it
+    gets SIGKILL: its rendezvous would wait --dist-timeout for the store that died with the launcher. A parent that
+    multiprocessing started (spawn's, a loader's) and that is gone already sends nothing: the signal comes now."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            os.kill(os.getpid(), signum)
 
 
 def print_or_drop(*values):

@@ -276,7 +276,7 @@ def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from the command line, nodes x processes per
     node. local_index: the process's index on its node, where the script starts the processes itself."""
     rank, world_size = args.node_rank * args.nprocs + local_index, args.world_size * args.nprocs
-    die_with_parent(signal.SIGTERM)  # [preemption]
+    die_with_parent(signal.SIGKILL)  # [preemption]
     if not torch.cuda.is_available():
         return rank, local_index, world_size, torch.device("cpu")
     torch.cuda.set_device(args.gpus[local_index])  # before anything touches CUDA, or every rank crowds GPU 0
@@ -302,7 +302,9 @@ def start_process_group(args, rank, world_size, device, log):
                             f"with the same --dist-url and --world-size {args.world_size}")
         time.sleep(0.1)
         arrived = store.add("arrived", 0)
-    return join_process_group(args, store, rank, world_size, device)
+    group = join_process_group(args, store, rank, world_size, device)
+    die_with_parent(signal.SIGTERM)  # [preemption]
+    return group
 
 
 def end_process_group():
@@ -1319,10 +1321,14 @@ def start_loader_worker(worker_id):
 
 def die_with_parent(signum):
     """Linux sends this process `signum` once its parent is gone (prctl PR_SET_PDEATHSIG): a launcher killed with -9
-    leaves no process behind. A training process gets SIGTERM, and saves, once its process group is up; before, a
-    torchrun worker gets SIGKILL: its rendezvous would wait --dist-timeout for the store that died with torchrun."""
+    leaves no process behind. A training process gets SIGTERM, and saves, once its process group is up; before, it
+    gets SIGKILL: its rendezvous would wait --dist-timeout for the store that died with the launcher. A parent that
+    multiprocessing started (spawn's, a loader's) and that is gone already sends nothing: the signal comes now."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
+        parent = multiprocessing.parent_process()
+        if parent is not None and not parent.is_alive():
+            os.kill(os.getpid(), signum)
 
 
 def print_or_drop(*values):

@@ -210,6 +210,44 @@ def spawn(script, nprocs, *args, **kwargs):
     return python(script, "--nprocs", nprocs, *args, **kwargs)
 
 
+# a dataset slow to build: each rank marks when it is building it, for a test to signal the job then
+SLOW_START = '''
+import os
+import time
+
+import torch
+
+
+def rows(args):
+    open(os.path.join(os.environ["STARTED"], str(os.getpid())), "w").close()
+    time.sleep(3)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 20), torch.arange(64) % 2)
+    return data, data
+
+
+def linear(num_classes):
+    return torch.nn.Linear(20, num_classes)
+'''
+
+
+def slow_start(tmp_path, ranks=2):
+    """A tiny run whose ranks each pause 3 s while they build their datasets: (its flags, its environment, a
+    function that waits until all `ranks` are in that pause)."""
+    (tmp_path / "slow.py").write_text(SLOW_START)
+    started = tmp_path / "started"
+    started.mkdir()
+
+    def wait_for_ranks(timeout=120):
+        deadline = time.time() + timeout
+        while len(list(started.iterdir())) < ranks:
+            assert time.time() < deadline, f"fewer than {ranks} ranks built their datasets within {timeout}s"
+            time.sleep(0.1)
+
+    flags = ["--dataset", "slow:rows", "-a", "slow:linear", "--num-classes", "2", "-b", "8", "-j", "2", "-p", "1",
+             "--epochs", "1", "--output-dir", tmp_path / "out"]
+    return flags, {"PYTHONPATH": tmp_path, "STARTED": started}, wait_for_ranks
+
+
 # Ports the kernel picks (bind to port 0; the local end of every outgoing connection) come from its ephemeral range
 # (32768-60999 on Linux), where another connection may take a port between free_port() and the job's bind. The
 # concurrent pytest processes of scripts/gpu_suite.py (TEST_PORT_BLOCK=0, 1, ...: from port 20000) and pytest-xdist's

@@ -4,7 +4,6 @@ import ast
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torchvision
 
 from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok,
-                      python, torchrun)
+                      python, slow_start, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -139,26 +138,6 @@ def test_a_signal_to_torchrun_ends_in_the_preemption_checkpoint_with_loader_work
     assert "DataLoader worker" not in job.output
 
 
-# a dataset slow to build: each rank marks when it is building it, for the test to signal the job then
-SLOW_START = '''
-import os
-import time
-
-import torch
-
-
-def rows(args):
-    open(os.environ["STARTED"] + os.environ["RANK"], "w").close()
-    time.sleep(3)
-    data = torch.utils.data.TensorDataset(torch.randn(64, 20), torch.arange(64) % 2)
-    return data, data
-
-
-def linear(num_classes):
-    return torch.nn.Linear(20, num_classes)
-'''
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(signum, tmp_path):
     """SIGTERM to torchrun while the ranks still build their datasets (a scheduler's notice comes when it comes): the
@@ -166,14 +145,9 @@ def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(signum, tmp_p
     wrapper that requeues on 75, or the Slurm script's requeue on SIGUSR1, would take for a failure). SIGKILL then:
     the ranks, with nothing trained to save, end at once, loader workers included; they used to wait --dist-timeout
     (30 minutes) in the rendezvous for torchrun's store, gone with it."""
-    (tmp_path / "slow.py").write_text(SLOW_START)
-    started = tmp_path / "started"
-    job = torchrun(SCRIPT, 2, "--dataset", "slow:rows", "-a", "slow:linear", "--num-classes", "2", "-b", "8", "-j",
-                   "2", "-p", "1", "--epochs", "1", "--output-dir", tmp_path / "out",
-                   env={"PYTHONPATH": tmp_path, "STARTED": started})
-    deadline = time.time() + 120
-    while not all(Path(f"{started}{rank}").exists() for rank in (0, 1)) and time.time() < deadline:
-        time.sleep(0.1)
+    flags, env, wait_for_ranks = slow_start(tmp_path)
+    job = torchrun(SCRIPT, 2, *flags, env=env)
+    wait_for_ranks()
     job.proc.send_signal(signum)
     if signum == signal.SIGTERM:
         assert_preempted(job, tmp_path / "out", code=LAUNCHER_FAILED)

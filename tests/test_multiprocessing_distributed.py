@@ -3,9 +3,12 @@ torchrun, resumes after a forwarded SIGTERM, shares a machine with other jobs an
 every process when a worker dies (Ctrl-C: test_peer_failure.py, with the other launchers)."""
 import os
 import signal
+import time
+
+import pytest
 
 from conftest import (EPOCHS, FAST, RESUME, assert_learned, assert_preempted, assert_same_run, error_lines, free_port,
-                      load, metrics, ok, python, spawn)
+                      load, metrics, ok, python, slow_start, spawn)
 
 SCRIPT = "multiprocessing_distributed.py"
 SHORT = [*RESUME, "-p", "1000", "--epochs", "1"]
@@ -69,6 +72,24 @@ def test_a_killed_parent_leaves_no_process_behind_and_a_checkpoint(image_data, t
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.kill()
     assert_preempted(job, tmp_path, code=-signal.SIGKILL)
+
+
+@pytest.mark.parametrize("moment", ["importing", "building datasets"])
+def test_a_parent_killed_during_start_up_leaves_no_process_behind(moment, tmp_path):
+    """kill -9 on the parent before the process group is up: the workers, with nothing trained to save, end at once,
+    loader workers included. They used to wait --dist-timeout (30 minutes) for the store that died with the parent:
+    killed while they import the script, before they ask to die with it, or while they build their datasets."""
+    flags, env, wait_for_ranks = slow_start(tmp_path)
+    job = spawn(SCRIPT, 2, *flags, env=env)
+    if moment == "importing":
+        deadline = time.time() + 60
+        while len(job.spawned()) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+    else:
+        wait_for_ranks()
+    job.proc.kill()
+    job.finish(timeout=60)  # fails if any process is left behind
+    assert job.returncode == -signal.SIGKILL and not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
 
 def test_python_without_nprocs_runs_one_process_on_cpu(image_data, tmp_path):
