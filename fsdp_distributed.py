@@ -110,9 +110,9 @@ def parse_args(argv=None):
     add("--momentum", type=in_range(float, 0, below=1), default=0.9, help="SGD's momentum")
     add("--wd", "--weight-decay", type=in_range(float, 0), default=1e-4, dest="weight_decay")
     add("--no-wd-norm-bias", action="store_true", help="no weight decay on normalization layers and biases")  # [no-wd]
-    add("--lr-schedule", choices=("step", "cosine"), default="step", help="per iteration; step: /10 every --lr-step")
-    add("--lr-step", type=in_range(int, 1), default=30, help="epochs between step decays")
-    add("--warmup-epochs", type=in_range(float, 0), default=0.0, help="linear warmup from 0 to --lr")
+    add("--lr-schedule", choices=("step", "cosine"), default="step", help="decay, per step")  # [lr-schedule]
+    add("--lr-step", type=in_range(int, 1), default=30, help="epochs between step decays (/10)")
+    add("--warmup-epochs", type=in_range(float, 0), default=0.0, help="linear, from 0 to --lr")  # [lr-schedule]
     add("--crop-size", type=in_range(int, 1), default=224)
     add("--val-resize", type=in_range(int, 1), default=None,
         help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
@@ -804,14 +804,10 @@ def join_process_group(args, store, rank, world_size, device):
 
 
 def lr_factor(step, steps_per_epoch, args):
-    """Multiplier of --lr after `step` optimizer steps: linear warmup, then step or cosine decay."""
-    epoch = step / steps_per_epoch
-    if epoch < args.warmup_epochs:
-        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
-    if args.lr_schedule == "cosine":
-        progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    return 0.1 ** (int(epoch) // args.lr_step)
+    """Multiplier of --lr after `step` optimizer steps: step decay, /10 every --lr-step epochs."""
+    if args.lr_schedule == "cosine" or step / steps_per_epoch < args.warmup_epochs:  # [lr-schedule]
+        return warmup_or_cosine(step, steps_per_epoch, args)  # [lr-schedule]
+    return 0.1 ** (step // steps_per_epoch // args.lr_step)
 
 
 def class_count(dataset):
@@ -1160,6 +1156,15 @@ def param_groups(model, args):
             (no_decay if isinstance(module, norm_types) or name == "bias" else decay).append(param)
     return [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 # endregion [no-wd]
+# region [lr-schedule]: --lr-schedule cosine, --warmup-epochs: cosine decay, linear warmup
+def warmup_or_cosine(step, steps_per_epoch, args):
+    """lr_factor during --warmup-epochs (linear, from 0), and after them for --lr-schedule cosine."""
+    epoch = step / steps_per_epoch
+    if epoch < args.warmup_epochs:
+        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
+    progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+# endregion [lr-schedule]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""

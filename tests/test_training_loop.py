@@ -3,6 +3,7 @@ optimizer step), --compile (checkpoints without `_orig_mod.`), --clip-grad-norm 
 --label-smoothing in the training loss only, --model-ema (a reference average, bit-for-bit resume), TF32,
 and --profile (a trace, a summary whose parts add up)."""
 import json
+import math
 import re
 import signal
 import types
@@ -259,3 +260,21 @@ def test_flags_that_need_another_are_one_clear_line():
     args = module.parse_args(["--dummy", "--model-ema"])
     assert (args.model_ema_decay, args.model_ema_steps) == (0.9998, 1)
 
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, expected", [
+    ([], lambda step: 0.1 ** (step // 4 // 3)),  # /10 every --lr-step 3 epochs of 4 steps
+    (["--lr-schedule", "cosine"], lambda step: 0.5 * (1 + math.cos(math.pi * step / 40))),
+    (["--warmup-epochs", "2"], lambda step: (step + 1) / 8 if step < 8 else 0.1 ** (step // 4 // 3)),
+    (["--warmup-epochs", "2", "--lr-schedule", "cosine"],
+     lambda step: (step + 1) / 8 if step < 8 else 0.5 * (1 + math.cos(math.pi * (step - 8) / 32))),
+], ids=["step", "cosine", "warmup-step", "warmup-cosine"])
+def test_the_learning_rate_follows_its_schedule_at_every_step(flags, expected):
+    """lr_factor over 10 epochs of 4 steps: step decay, a cosine from 1 to 0 after the warm-up, a linear warm-up
+    from 1/8 to 1 over 2 epochs; and a warm-up of 0.3 epochs (0.3 * 10 steps, which floats round up) ends at step 3."""
+    module = import_script(SCRIPT)
+    args = module.parse_args(["--epochs", "10", "--lr-step", "3", *flags])
+    assert [module.lr_factor(step, 4, args) for step in range(40)] == pytest.approx([expected(s) for s in range(40)])
+    short = module.parse_args([*flags, "--warmup-epochs", "0.3"])
+    assert [module.lr_factor(step, 10, short) for step in (2, 3)] == pytest.approx([1.0, 1.0])
