@@ -110,7 +110,7 @@ def parse_args(argv=None):
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
         help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
     add("--label-smoothing", type=in_range(float, 0, below=1), default=0.0, help="in the training loss only")
-    add("--clip-grad-norm", type=in_range(float, above=0), default=None, metavar="X", help="the gradients' norm")
+    add("--clip-grad-norm", type=in_range(float, above=0), metavar="X", help="max gradient norm")  # [clip-grad-norm]
     add("--model-ema", action="store_true", help="an exponential moving average of the weights, evaluated too")  # [ema]
     add("--model-ema-decay", type=in_range(float, 0, below=1), metavar="D", help="default 0.9998")  # [ema]
     add("--model-ema-steps", type=in_range(int, 1), metavar="N", help="optimizer steps between updates (1)")  # [ema]
@@ -344,10 +344,8 @@ def train_step(run, images, target, args):
     run.profiler.part("all-reduce")  # [profile]
     run.optimizer.synchronize()
     with run.optimizer.skip_synchronize():
-        if args.clip_grad_norm:
-            run.scaler.unscale_(run.optimizer)
-            params = [p for group in run.optimizer.param_groups for p in group["params"]]
-            clipped = (torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm) > args.clip_grad_norm).double()
+        if args.clip_grad_norm:  # [clip-grad-norm]
+            clipped = clip_gradients(run, args)  # [clip-grad-norm]
         run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
     run.scaler.update()
     run.scheduler.step()
@@ -482,15 +480,15 @@ def main_worker(args, local_index=None):
         run.save(args, rank, is_best)
         row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
                "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
-               "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started,
                **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if key in val},  # [ema]
-               **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {})}
+               **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {}),  # [clip-grad-norm]
+               "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
         if writer:  # [logs]
             write_epoch(row, writer, args.output_dir)  # [logs]
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
             f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}"
             + (f" | ema acc1 {val['acc1_ema']:.2f}" if "acc1_ema" in val else "")  # [ema]
-            + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")
+            + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")  # [clip-grad-norm]
             + f" | {row['img_per_s']:.0f} img/s")
         if run.preemption.agreed(now=True) and run.epoch < args.epochs:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"after epoch {epoch}", saved=True)  # [preemption]
@@ -995,6 +993,16 @@ def warmup_or_cosine(step, steps_per_epoch, args):
     progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
     return 0.5 * (1 + math.cos(math.pi * progress))
 # endregion [lr-schedule]
+# region [clip-grad-norm]: --clip-grad-norm: the gradients' norm capped, on the true (unscaled) gradients
+def clip_gradients(run, args):
+    """Unscales the gradients (GradScaler's step then does not again) and caps their norm at --clip-grad-norm: with
+    FSDP, the norm over all ranks' shards. Returns 1.0 if it was over (a device tensor: no wait for the GPU)."""
+    run.scaler.unscale_(run.optimizer)
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP's DTensor: the norm of every shard
+    return (norm > args.clip_grad_norm).double()
+# endregion [clip-grad-norm]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""

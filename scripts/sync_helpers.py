@@ -31,8 +31,8 @@ NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
-FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "span_union", "span_common",
-            "StepProfiler", "benchmark",
+FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "clip_gradients", "span_union",
+            "span_common", "StepProfiler", "benchmark",
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
             "set_tf32", "compile_model", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
@@ -72,7 +72,8 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", *T
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups",
                                   "load_pretrained",
-                                  "lr_factor", "warmup_or_cosine", "ModelEMA", "set_tf32", "compile_model",
+                                  "lr_factor", "warmup_or_cosine", "clip_gradients", "ModelEMA", "set_tf32",
+                                  "compile_model",
                                   "span_union", "span_common", "StepProfiler",
                                   "NORMALIZE", "SyntheticImages", "load_image", "decode_file", "DeviceDecoded",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",

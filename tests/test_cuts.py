@@ -14,8 +14,8 @@ import pytest
 from conftest import FAST, ROOT, assert_same_tensors, load, ok, spawn, torchrun
 
 LAUNCHERS = {"distributed.py": torchrun, "multiprocessing_distributed.py": spawn}
-BLOCKS = ["benchmark", "compile", "dummy", "ema", "fast-crop", "fast-decode", "gpu-decode", "logs", "lr-schedule",
-          "no-wd", "preemption", "pretrained", "profile", "safety", "spec", "tf32"]
+BLOCKS = ["benchmark", "clip-grad-norm", "compile", "dummy", "ema", "fast-crop", "fast-decode", "gpu-decode", "logs",
+          "lr-schedule", "no-wd", "preemption", "pretrained", "profile", "safety", "spec", "tf32"]
 # 2 processes, loader workers, bit-identical reruns
 TRAIN = [*FAST, "-j", "2", "--deterministic"]
 
