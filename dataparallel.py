@@ -102,7 +102,7 @@ def parse_args(argv=None):
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
     add("--gpu-decode", action="store_true", help="decode (nvJPEG) and crop JPEGs on the GPU")  # [gpu-decode]
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
@@ -263,8 +263,7 @@ def describe_processes(args, world_size, device, group):
 def prepare_model(model, args, device, log):
     """The model on the first GPU (DataParallel copies it to the others every step), or the CPU; its 4-D weights
     channels-last with --channels-last."""
-    if args.sync_bn:
-        log("--sync-bn: off (SyncBatchNorm needs DistributedDataParallel); BatchNorm statistics stay per GPU")
+    model = sync_batchnorm(model, args, device, log)  # [sync-bn]
     for p in model.parameters() if args.channels_last else ():  # (module.to would refuse a Conv3d's 5-D weights)
         p.data = p.data.contiguous(memory_format=torch.channels_last) if p.dim() == 4 else p.data
     return model.to(device)
@@ -994,6 +993,13 @@ def clip_gradients(run, args):
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP's DTensor: the norm of every shard
     return (norm > args.clip_grad_norm).double()
 # endregion [clip-grad-norm]
+# region [sync-bn]: --sync-bn: BatchNorm statistics over every process's batch (CUDA only)
+def sync_batchnorm(model, args, device, log):
+    """The model as it is: DataParallel's replicas cannot share BatchNorm statistics. A notice with --sync-bn."""
+    if args.sync_bn:
+        log("--sync-bn: off (SyncBatchNorm needs DistributedDataParallel); BatchNorm statistics stay per GPU")
+    return model
+# endregion [sync-bn]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""

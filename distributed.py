@@ -38,7 +38,7 @@ import functools
 import gc
 import fcntl  # [safety]
 import importlib  # [spec]
-import inspect
+import inspect  # [sync-bn]
 import json  # [logs]
 import math
 import multiprocessing
@@ -108,7 +108,7 @@ def parse_args(argv=None):
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
     add("--gpu-decode", action="store_true", help="decode (nvJPEG) and crop JPEGs on the GPU")  # [gpu-decode]
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
@@ -255,11 +255,8 @@ def describe_processes(args, world_size, device, group):
 
 
 def prepare_model(model, args, device, log):
-    """The model on this process's device, 4-D weights channels-last (--channels-last), SyncBatchNorm (--sync-bn)."""
-    if args.sync_bn and device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif args.sync_bn:
-        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    """The model on this process's device, its 4-D weights channels-last with --channels-last."""
+    model = sync_batchnorm(model, args, device, log)  # [sync-bn]
     for p in model.parameters() if args.channels_last else ():  # (module.to would refuse a Conv3d's 5-D weights)
         p.data = p.data.contiguous(memory_format=torch.channels_last) if p.dim() == 4 else p.data
     return model.to(device)
@@ -292,14 +289,9 @@ def wrap_model(model, args, device, amp_dtype):
     where ranks may have one batch more or less, must call no collective: it evaluates the plain model."""
     if not dist.is_initialized():
         return model, model
-    no_sync = {}
-    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
-        # SyncBatchNorm keeps the statistics equal on every rank: broadcasting them before each forward is waste.
-        # torch 2.14 renamed the option (and warns about the old name); older releases know only the old one
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   **no_sync), model
+    options = {"device_ids": [device.index] if device.type == "cuda" else None}
+    options.update(ddp_buffer_options(model))  # [sync-bn]
+    return DistributedDataParallel(model, **options), model
 
 
 def train_step(run, images, target, args):
@@ -990,6 +982,25 @@ def clip_gradients(run, args):
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP's DTensor: the norm of every shard
     return (norm > args.clip_grad_norm).double()
 # endregion [clip-grad-norm]
+# region [sync-bn]: --sync-bn: BatchNorm statistics over every process's batch (CUDA only)
+def sync_batchnorm(model, args, device, log):
+    """SyncBatchNorm in place of every BatchNorm, with --sync-bn on CUDA; on the CPU the statistics stay per process."""
+    if args.sync_bn and device.type == "cuda":
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.sync_bn:
+        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    return model
+
+
+def ddp_buffer_options(model):
+    """DDP's options for a model with SyncBatchNorm, which keeps the statistics equal on every rank: no broadcast of
+    them before each forward. torch 2.14 renamed the option (and warns about the old name); older releases know the
+    old one only."""
+    if not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        return {}
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    return {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+# endregion [sync-bn]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""

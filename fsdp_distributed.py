@@ -119,7 +119,7 @@ def parse_args(argv=None):
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
     add("--gpu-decode", action="store_true", help="decode (nvJPEG) and crop JPEGs on the GPU")  # [gpu-decode]
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
@@ -287,10 +287,7 @@ def prepare_model(model, args, device, log):
     comes in on the CPU, the same on every rank (check_and_load seeds it): fully_shard moves each group's shards to
     the device, one group at a time. --channels-last leaves the weights contiguous (fully_shard takes no other) and
     gives the model channels-last inputs (the Prefetcher): convolutions follow their input's memory format."""
-    if args.sync_bn and device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif args.sync_bn:
-        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    model = sync_batchnorm(model, args, device, log)  # [sync-bn]
     mesh = device_mesh(args, device)
     half = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
@@ -1172,6 +1169,15 @@ def clip_gradients(run, args):
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP's DTensor: the norm of every shard
     return (norm > args.clip_grad_norm).double()
 # endregion [clip-grad-norm]
+# region [sync-bn]: --sync-bn: BatchNorm statistics over every process's batch (CUDA only)
+def sync_batchnorm(model, args, device, log):
+    """SyncBatchNorm in place of every BatchNorm, with --sync-bn on CUDA; on the CPU the statistics stay per process."""
+    if args.sync_bn and device.type == "cuda":
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.sync_bn:
+        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    return model
+# endregion [sync-bn]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""

@@ -104,7 +104,7 @@ def parse_args(argv=None):
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
     add("--gpu-decode", action="store_true", help="decode (nvJPEG) and crop JPEGs on the GPU")  # [gpu-decode]
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
     add("--grad-accum-steps", type=in_range(int, 1), default=1, metavar="K",
@@ -271,23 +271,8 @@ def prepare_model(model, args, device, log):
     whole global batch. --channels-last leaves the weights contiguous (Horovod broadcasts and all-reduces contiguous
     tensors only: a channels-last weight's gradient stopped the first step) and gives the model channels-last
     inputs (the Prefetcher): convolutions follow their input's memory format."""
-    if args.sync_bn and device.type == "cuda":
-        model = convert_sync_batchnorm(model)
-    elif args.sync_bn:
-        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    model = sync_batchnorm(model, args, device, log)  # [sync-bn]
     return model.to(device)
-
-
-def convert_sync_batchnorm(module):
-    """Horovod's SyncBatchNorm in place of every BatchNorm (torch's convert_sync_batchnorm needs torch.distributed)."""
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-        sync = hvd.SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                 module.track_running_stats)
-        sync.load_state_dict(module.state_dict())
-        return sync
-    for name, child in module.named_children():
-        setattr(module, name, convert_sync_batchnorm(child))
-    return module
 
 
 def build_optimizer(model, args, device, log):
@@ -1003,6 +988,28 @@ def clip_gradients(run, args):
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP's DTensor: the norm of every shard
     return (norm > args.clip_grad_norm).double()
 # endregion [clip-grad-norm]
+# region [sync-bn]: --sync-bn: BatchNorm statistics over every process's batch (CUDA only)
+def sync_batchnorm(model, args, device, log):
+    """Horovod's SyncBatchNorm in place of every BatchNorm, with --sync-bn on CUDA (torch's needs torch.distributed);
+    on the CPU the statistics stay per process."""
+    if args.sync_bn and device.type == "cuda":
+        return convert_sync_batchnorm(model)
+    if args.sync_bn:
+        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    return model
+
+
+def convert_sync_batchnorm(module):
+    """hvd.SyncBatchNorm in place of every BatchNorm of `module`, their weights and statistics kept."""
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        sync = hvd.SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        sync.load_state_dict(module.state_dict())
+        return sync
+    for name, child in module.named_children():
+        setattr(module, name, convert_sync_batchnorm(child))
+    return module
+# endregion [sync-bn]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def span_union(spans):
     """Sorted, non-overlapping (start, end) pairs that cover the time `spans` cover."""

@@ -41,7 +41,7 @@ import ctypes  # [preemption]
 import datetime
 import gc
 import fcntl  # [safety]
-import inspect
+import inspect  # [sync-bn]
 import itertools
 import json  # [logs]
 import math
@@ -109,7 +109,7 @@ def parse_args(argv=None):
         help="epochs at which MultiStepLR multiplies the lr by --gamma")
     add("--gamma", type=in_range(float, above=0), default=0.1, help="the lr's factor at each milestone")
     add("--amp", action="store_true", help="autocast to fp16 with a GradScaler (on a CPU: for tests, slow)")
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--resume", default="", metavar="PATH|auto",
         help="checkpoint to resume from; auto: <output-dir>/checkpoint.pth.tar if it exists")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
@@ -202,10 +202,7 @@ def describe_processes(args, world_size, device, group):
 def prepare_model(model, args, device, log):
     """The model on this process's device; with --sync-bn, BatchNorm layers that compute their statistics over
     the whole global batch: with the 1-2 patches a GPU holds, per-process statistics are noise."""
-    if args.sync_bn and device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif args.sync_bn:
-        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    model = sync_batchnorm(model, args, device, log)  # [sync-bn]
     return model.to(device)
 
 
@@ -225,14 +222,9 @@ def wrap_model(model, args, device, amp_dtype):
     where ranks may have one batch more or less, must call no collective: it evaluates the plain model."""
     if not dist.is_initialized():
         return model, model
-    no_sync = {}
-    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
-        # SyncBatchNorm keeps the statistics equal on every rank: broadcasting them before each forward is waste.
-        # torch 2.14 renamed the option (and warns about the old name); older releases know only the old one
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   **no_sync), model
+    options = {"device_ids": [device.index] if device.type == "cuda" else None}
+    options.update(ddp_buffer_options(model))  # [sync-bn]
+    return DistributedDataParallel(model, **options), model
 
 
 def train_step(run, images, labels):
@@ -1011,6 +1003,25 @@ def note_small_volumes(volumes, patch, log):
 # Part 2, features: one block each, for the flags its first line names. Keep what you use; delete a block
 # whole by its markers (the docstring says how).
 # =============================================================================================
+# region [sync-bn]: --sync-bn: BatchNorm statistics over every process's batch (CUDA only)
+def sync_batchnorm(model, args, device, log):
+    """SyncBatchNorm in place of every BatchNorm, with --sync-bn on CUDA; on the CPU the statistics stay per process."""
+    if args.sync_bn and device.type == "cuda":
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.sync_bn:
+        log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
+    return model
+
+
+def ddp_buffer_options(model):
+    """DDP's options for a model with SyncBatchNorm, which keeps the statistics equal on every rank: no broadcast of
+    them before each forward. torch 2.14 renamed the option (and warns about the old name); older releases know the
+    old one only."""
+    if not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        return {}
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    return {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+# endregion [sync-bn]
 # region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice, a launcher gone): all ranks stop at one step, save
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 

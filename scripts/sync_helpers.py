@@ -31,7 +31,8 @@ NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
-FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "clip_gradients", "span_union",
+FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "clip_gradients", "sync_batchnorm",
+            "ddp_buffer_options", "span_union",
             "span_common", "StepProfiler", "benchmark",
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
             "set_tf32", "compile_model", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded",
@@ -49,11 +50,11 @@ OWN = {
     "multiprocessing_distributed.py": {"parse_args", "find_processes", "start_process_group", "main"},
     "distributed_slurm_main.py": {"parse_args", "find_processes", "start_process_group", "main"},
     "dataparallel.py": {"parse_args", "find_processes", "start_process_group", "describe_processes", "prepare_model",
-                        "wrap_model", "gather_rng_states", "main"},
+                        "wrap_model", "gather_rng_states", "sync_batchnorm", "main"},
     "horovod_distributed.py": {"parse_args", "find_processes", "start_process_group",
                                "end_process_group", "describe_processes", "prepare_model", "build_optimizer",
                                "wrap_model", "train_step", "reduce_tensor", "gather_objects", "sync_buffers",
-                               "sum_async", "main"},
+                               "sum_async", "sync_batchnorm", "main"},
     "fsdp_distributed.py": {"parse_args", "check_launch_args", "start_process_group", "prepare_model",
                             "setup_precision", "wrap_model", "train_step", "RunState", "evaluate", "CHECKPOINT",
                             "read_checkpoint"},
@@ -65,8 +66,10 @@ OWN = {
 }
 # shared names a sibling has no use for: no process group of torch.distributed's, no torchrun
 TORCHRUN_CHECKS = {"check_torchrun"}
-NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", *TORCHRUN_CHECKS},
-               "horovod_distributed.py": {"join_process_group", "check_shared_gpus", *TORCHRUN_CHECKS},
+NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "ddp_buffer_options", *TORCHRUN_CHECKS},
+               "horovod_distributed.py": {"join_process_group", "check_shared_gpus", "ddp_buffer_options",
+                                          *TORCHRUN_CHECKS},
+               "fsdp_distributed.py": {"ddp_buffer_options"},
                "multiprocessing_distributed.py": TORCHRUN_CHECKS,
                "distributed_slurm_main.py": TORCHRUN_CHECKS,
                "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",

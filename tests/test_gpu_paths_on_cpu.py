@@ -1,4 +1,6 @@
 """Defects that only CUDA runs show, caught here where a CPU can stand in (tests/gpu/ runs them on a GPU)."""
+import types
+
 import pytest
 import torch
 import torchvision
@@ -66,3 +68,22 @@ def test_ddp_broadcasts_buffers_only_without_sync_batchnorm(script, process_grou
                       torch.device("cpu"), None)
     plain, synced = ({k: v for k, v in o.items() if k != "device_ids"} for o in options)
     assert plain == {} and synced in ({"forward_sync_buffers": False}, {"broadcast_buffers": False}), options
+
+
+@pytest.mark.parametrize("script", [*IMAGENET_SCRIPTS, "fsdp_distributed.py", "unet3d_apex.py"])
+def test_sync_bn_converts_every_batchnorm_for_cuda_and_says_it_is_off_on_cpu(script):
+    """--sync-bn on a GPU: a SyncBatchNorm (Horovod's own, for horovod_distributed.py) in place of every BatchNorm,
+    their statistics kept; on the CPU, and under DataParallel anywhere, the model as it was and a notice."""
+    module = import_script(script)
+    args, said = types.SimpleNamespace(sync_bn=True), []
+    model = torchvision.models.resnet18()
+    model.bn1.running_mean.fill_(0.5)
+    assert module.sync_batchnorm(model, args, torch.device("cpu"), said.append) is model and len(said) == 1
+    assert said[0].startswith("--sync-bn: off")
+    synced = module.sync_batchnorm(model, args, torch.device("cuda", 0), said.append)
+    norms = [m for m in synced.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if script == "dataparallel.py":
+        assert synced is model and len(said) == 2
+    else:
+        assert len(norms) == 20 and all("SyncBatchNorm" in type(m).__name__ for m in norms) and len(said) == 1
+        assert torch.equal(synced.bn1.running_mean, torch.full((64,), 0.5))
