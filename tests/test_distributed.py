@@ -179,11 +179,49 @@ def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, 
     assert_same_run(tmp_path, uninterrupted)
 
 
+HELD = '''
+import os
+import time
+
+import torch
+
+
+class Held(torch.nn.Module):
+    """A linear model with BALLAST numbers of state besides (a large model's weights, for memory's sake), whose
+    training forward pass waits while it has run as many times as the file GATE says: the test looks at the run there,
+    every loader worker alive (an epoch's end, or the run's, would end some)."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+        self.register_buffer("ballast", torch.randn(int(os.environ["BALLAST"])))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += self.training
+        while self.calls > int(open(os.environ["GATE"]).read()):
+            time.sleep(0.05)
+        return self.head(x.mean((2, 3)))
+'''
+
+
+def held(data, tmp_path, *args, ballast=1, output_dir="out"):
+    """The script on `data` and the Held model, under torchrun with 2 processes and 2 loader workers each, its first
+    training forward pass let through; (job, let): let(n) lets n passes through in all."""
+    (tmp_path / "held.py").write_text(HELD)
+    gate = tmp_path / "gate"
+    gate.write_text("1")
+    job = torchrun(SCRIPT, 2, data, *FAST, "-j", "2", "-p", "1", "-a", "held:Held",
+                   "--output-dir", tmp_path / output_dir, *args,
+                   env={"PYTHONPATH": tmp_path, "BALLAST": ballast, "GATE": gate})
+    return job, lambda passes: gate.write_text(str(passes))
+
+
 def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(image_data, tmp_path):
     """A fork while other threads run can hang the child (pytorch#130610): both loaders' workers start before
     the process group's threads (gloo's: one hung a worker in os.fork in CI) and before training, and validation
     takes the same workers every epoch."""
-    job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "2", "--output-dir", tmp_path)
+    job, let = held(image_data, tmp_path, "--epochs", "2")
 
     def workers():
         return {rank: {p.pid for p in job.process_of_rank(rank).children()} for rank in (0, 1)}
@@ -199,28 +237,11 @@ def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(ima
         gloo = [started(trainer.pid, t.id) for t in trainer.threads()
                 if "gloo" in Path(f"/proc/{trainer.pid}/task/{t.id}/comm").read_text()]
         assert gloo and max(started(pid) for pid in pids) <= min(gloo), (rank, gloo)
-    job.wait_for_line("Epoch 1 [ 1/12]")  # after a validation
+    let(13)  # the rest of epoch 0, a validation, and epoch 1's first step
+    job.wait_for_line("Epoch 1 [ 1/12]")
     assert workers() == first
+    let(24)
     ok(job)
-
-
-BALLAST = '''
-import os
-
-import torch
-
-
-class Ballast(torch.nn.Module):
-    """A linear model with 256 MiB of state besides (BALLAST numbers): a large model's weights, for memory's sake."""
-
-    def __init__(self, num_classes):
-        super().__init__()
-        self.head = torch.nn.Linear(3, num_classes)
-        self.register_buffer("ballast", torch.randn(int(os.environ.get("BALLAST", 2**26))))
-
-    def forward(self, x):
-        return self.head(x.mean((2, 3)))
-'''
 
 
 def test_loader_workers_keep_neither_the_model_nor_the_resumed_checkpoint(image_data, tmp_path):
@@ -228,13 +249,11 @@ def test_loader_workers_keep_neither_the_model_nor_the_resumed_checkpoint(image_
     pages alive in every worker for the whole run, once the training process has dropped them (a 256 MiB model:
     about +512 MiB over 2 ranks' workers after --resume, and its share of the model on a fresh start). Measured
     against the same fresh run with a model of no size."""
-    (tmp_path / "ballast.py").write_text(BALLAST)
-
     def workers_pss(epoch, *args, ballast=2**26):
-        job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "-a", "ballast:Ballast", "--output-dir",
-                       tmp_path / f"out{ballast}", *args, env={"PYTHONPATH": tmp_path, "BALLAST": ballast})
+        job, let = held(image_data, tmp_path, *args, ballast=ballast, output_dir=f"out{ballast}")
         job.wait_for_line(f"Epoch {epoch} [ 1/12]")
         pss = sum(w.memory_full_info().pss for rank in (0, 1) for w in job.process_of_rank(rank).children())
+        let(12)
         ok(job)
         return pss / 2**20
 
