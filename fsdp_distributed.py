@@ -1725,8 +1725,8 @@ def check_launch_args(args, world_size, device):
         raise UserError(f"--replicate-nodes replicates the model across nodes of equal size, and this run has "
                         f"{world_size} processes, {per_node} on this node: drop it, or start as many on every node")
     if args.resume and os.path.isfile(args.resume) and not args.evaluate:
-        raise UserError(f"--resume {args.resume} is a file of full weights: fsdp_distributed.py resumes training "
-                        f"from its folders of shards ({CHECKPOINT}); evaluate the file with -e")
+        raise UserError(f"--resume {args.resume} is a file: fsdp_distributed.py resumes training from its folders "
+                        f"of shards ({CHECKPOINT}); evaluate a file of full weights with -e")
     folder = os.path.dirname(os.path.abspath(args.export or "."))
     if args.export and not os.path.isdir(folder) and folder != os.path.abspath(args.output_dir):  # made later
         raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
@@ -1993,6 +1993,9 @@ def explain_unreadable(read_checkpoint):
         try:
             return read_checkpoint(path)
         except Exception as e:
+            if isinstance(e, IsADirectoryError):  # a folder given for a file: nothing in it is damaged
+                raise UserError(f"cannot load checkpoint {path}: it is a folder, not a checkpoint file; give a file "
+                                f"that a run saved, or move the folder away to start fresh") from None
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; resume from "
                             f"another file (e.g. model_best.pth.tar) or move it away to start fresh") from None

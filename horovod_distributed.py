@@ -1764,6 +1764,9 @@ def explain_unreadable(read_checkpoint):
         try:
             return read_checkpoint(path)
         except Exception as e:
+            if isinstance(e, IsADirectoryError):  # a folder given for a file: nothing in it is damaged
+                raise UserError(f"cannot load checkpoint {path}: it is a folder, not a checkpoint file; give a file "
+                                f"that a run saved, or move the folder away to start fresh") from None
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; resume from "
                             f"another file (e.g. model_best.pth.tar) or move it away to start fresh") from None

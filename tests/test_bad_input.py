@@ -110,8 +110,9 @@ CASES = {
                                    r"192 training samples are fewer than one global batch of 512: lower -b"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
                             r"--resume .*none.pth.tar: no such file"),
-    "resume path unreadable": (1, lambda d, t: [d, "--resume", t],
-                               r"cannot load checkpoint .*: it is unreadable or truncated"),
+    "resume path a folder": (1, lambda d, t: [d, "--resume", t],
+                             r"cannot load checkpoint .*: it is a folder, not a checkpoint file; give a file that a "
+                             r"run saved, or move the folder away to start fresh"),
     "resume auto, the checkpoint a link to nothing": (
         1, lambda d, t: [d, *broken_checkpoint(t, lambda path: path.symlink_to("gone"))],
         r"cannot load checkpoint .*resumed/checkpoint.pth.tar \(.*No such file.*\): it is unreadable"),
@@ -120,7 +121,7 @@ CASES = {
         r"cannot load checkpoint .*resumed/checkpoint.pth.tar \(.*\): it is unreadable"),
     "resume auto, the checkpoint a folder": (
         1, lambda d, t: [d, *broken_checkpoint(t, lambda path: path.mkdir())],
-        r"cannot load checkpoint .*resumed/checkpoint.pth.tar \(.*\): it is unreadable"),
+        r"cannot load checkpoint .*resumed/checkpoint.pth.tar: it is a folder, not a checkpoint file"),
     "resume checkpoint truncated": (1, lambda d, t: [d, "--resume", checkpoint(t, truncate=True)],
                                     r"cannot load checkpoint .*ckpt.pth.tar .*unreadable or truncated; "
                                     r"resume from another file"),

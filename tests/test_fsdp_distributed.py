@@ -183,8 +183,9 @@ BAD = {
                                       r"--replicate-nodes replicates the model across nodes of equal size, and this "
                                       r"run has 2 processes, 2 on this node"),
     "a file of full weights to train on": (1, lambda out, t: ["--resume", out / "model_best.pth.tar"],
-                                           r"model_best.pth.tar is a file of full weights: fsdp_distributed.py "
-                                           r"resumes training from its folders of shards \(checkpoint.dcp\)"),
+                                           r"model_best.pth.tar is a file: fsdp_distributed.py resumes training "
+                                           r"from its folders of shards \(checkpoint.dcp\); evaluate a file of "
+                                           r"full weights with -e"),
     "--export into a missing folder": (1, lambda out, t: ["--export", t / "nowhere" / "full.pth.tar"],
                                        r"--export .*nowhere/full.pth.tar: its folder does not exist"),
     "a folder that is no checkpoint": (1, lambda out, t: ["--resume", t],
