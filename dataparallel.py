@@ -1583,8 +1583,8 @@ def check_datasets(sets, args):
             raise UserError(f"{source}: its {split} set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})"
                             ) from None
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
-            raise UserError(f"{source}: an item of its {split} set is {type(item).__name__} "
-                            f"{tuple(type(x).__name__ for x in item) if isinstance(item, (tuple, list)) else ''}, "
+            parts = f" {tuple(type(x).__name__ for x in item)}" if isinstance(item, (tuple, list)) else ""
+            raise UserError(f"{source}: an item of its {split} set is {type(item).__name__}{parts}, "
                             f"not (input tensor, label)")
         inputs[split], label = item
         shape = "x".join(map(str, inputs[split].shape))

@@ -183,6 +183,17 @@ def holes(args):
     return Holes(192, 0), Table(40, 1)
 
 
+class Unlabelled(Table):
+    """Items are inputs alone, no labels."""
+
+    def __getitem__(self, index):
+        return super().__getitem__(index)[0]
+
+
+def unlabelled(args):
+    return Table(192, 0), Unlabelled(40, 1)
+
+
 def words_as_mean(args):
     train, val = grey_images(args)
     train.mean, train.std = "0.5", "0.2"
@@ -508,6 +519,9 @@ BAD = {
                             r"--dataset mine:iterable: its train set, a Stream, is not a map-style dataset"),
     "a training item that is no pair": (["--dataset", "mine:holes", "-a", "mine:mlp"],
                                         r"the data's items differ within a batch .*or are not \(input, label\) pairs"),
+    "validation items that are inputs alone": (["--dataset", "mine:unlabelled", "-a", "mine:mlp"],
+                                              r"--dataset mine:unlabelled: an item of its val set is Tensor, not "
+                                              r"\(input tensor, label\)"),
     "a mean and std that are no numbers": (["--dataset", "mine:words_as_mean", "-a", "mine:mlp"],
                                            r"its train set's mean '0.5' and std '0.2' need one number per channel "
                                            r"each, every std above 0"),
