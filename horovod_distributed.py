@@ -851,8 +851,9 @@ def set_rng_state(state):
 
 
 def atomic_write(path, write):
-    """write(file) to a temporary file, fsync, rename over `path`: a crash leaves the old file or the new one."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """write(file) to a temporary file, fsync, rename over `path`: a crash leaves the old file or the new one, and
+    at most one temporary file, of one name, which the next write replaces (one process writes: the folder's lock)."""
+    tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
             write(f)

@@ -4,6 +4,7 @@ import ast
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,30 @@ def test_loader_workers_keep_neither_the_model_nor_the_resumed_checkpoint(image_
     fresh = workers_pss(0, "--epochs", "1")
     resumed = workers_pss(1, "--epochs", "2", "--resume", "auto")
     assert fresh - none < 64 and resumed - none < 64, (none, fresh, resumed)
+
+
+def test_a_rank_killed_while_it_saves_leaves_the_last_checkpoint_and_no_stray_file(image_data, tmp_path):
+    """SIGKILL (the out-of-memory killer, a node's end) to rank 0 while it writes a 512 MiB checkpoint: the last
+    checkpoint stays whole, and once a resumed run has saved, no temporary file is left, however many saves were
+    killed (a file each would fill the disk)."""
+    out = tmp_path / "out"
+    job, let = held(image_data, tmp_path, "--epochs", "2", ballast=2**27)
+    let(10**6)
+    job.wait_for_line("Epoch 1 [ 1/12]")
+    deadline = time.time() + 120
+    while not list(out.glob("checkpoint.pth.tar.tmp*")):
+        assert time.time() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.01)
+    writer = job.process_of_rank(0)
+    writer.suspend()  # stopped mid-write: the kill below lands there, however slowly this test runs
+    assert list(out.glob("checkpoint.pth.tar.tmp*")), "the write ended before the test could stop it"
+    writer.kill()
+    job.finish()
+    assert job.returncode != 0 and load(out / "checkpoint.pth.tar")["epoch"] == 1
+    job, let = held(image_data, tmp_path, "--epochs", "3", "--resume", "auto", ballast=2**27)
+    let(10**6)
+    ok(job)
+    assert load(out / "checkpoint.pth.tar")["epoch"] == 3 and not list(out.glob("*.tmp*")), sorted(out.iterdir())
 
 
 @pytest.mark.quick
