@@ -241,7 +241,7 @@ def end_process_group():
     """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it), once nothing
     else holds it: stop requests are ignored from now on (srun signals the rest once a rank exits 75), a collection
     frees reference cycles (FSDP's device mesh holds the group), and torch._dynamo is imported at the top."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     gc.collect()
     if dist.is_initialized():
@@ -1158,7 +1158,7 @@ def memory_use(run, device):
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
     return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
 # endregion [benchmark]
-# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice, a launcher gone): all ranks stop at one step, save
+# region [preemption]: SIGTERM / SIGUSR1 / SIGHUP (a scheduler, a launcher or terminal gone): all stop at a step, save
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 
 
@@ -1169,17 +1169,19 @@ def sum_async(tensor, group):
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
-    first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
-    set once it exists: sum_async), so checking it every step costs no barrier and no GPU sync."""
+    """SIGTERM / SIGUSR1 / SIGHUP (a terminal hung up; torchrun passes it on, nohup or not) set a flag, from the start
+    of main_worker (a request during start-up stops the run at its first steps). Ranks agree on it one step later
+    through a non-blocking sum on the launcher's CPU group (`group`, set once it exists: sum_async), so checking it
+    every step costs no barrier and no GPU sync."""
 
     signum = None  # the signal that stopped the run (the Slurm script requeues after SIGUSR1 only)
 
     def __init__(self):
         self.group, self.requested, self.wait = None, False, None
         self.flag = torch.zeros(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
         self.requested, Preemption.signum = True, signum
@@ -1214,9 +1216,9 @@ class Preemption:
 
 
 def start_loader_worker(worker_id):
-    """The loaders' worker_init_fn. Launchers signal a whole process group: workers ignore SIGTERM and SIGUSR1, which
-    would take their training process down before its preemption checkpoint; they die with it, quietly."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    """The loaders' worker_init_fn. Launchers signal a whole process group: workers ignore SIGTERM, SIGUSR1 and SIGHUP,
+    which would take their training process down before its preemption checkpoint; they die with it, quietly."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     report = sys.excepthook

@@ -320,7 +320,7 @@ def end_process_group():
     """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it), once nothing
     else holds it: stop requests are ignored from now on (srun signals the rest once a rank exits 75), a collection
     frees reference cycles (FSDP's device mesh holds the group), and torch._dynamo is imported at the top."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     gc.collect()
     if dist.is_initialized():
@@ -467,13 +467,13 @@ def run(local_index, args):
 
 def requeue(signum):
     """Rank 0 puts a batch job back in the queue after the preemption checkpoint (the restart resumes from it)
-    while the others wait: srun --kill-on-bad-exit would end it mid-call once they exit. Not after SIGTERM:
-    that is scancel (a requeue would undo it), or a preemption after which Slurm requeues the job itself, or
-    the time limit without --signal."""
+    while the others wait: srun --kill-on-bad-exit would end it mid-call once they exit. After SIGUSR1 only (sbatch
+    --signal's notice), not SIGTERM: that is scancel (a requeue would undo it), or a preemption after which Slurm
+    requeues the job itself, or the time limit without --signal."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job or os.environ.get("ENVIRONMENT") != "BATCH":
         return
-    if signum != signal.SIGTERM and (not dist.is_initialized() or dist.get_rank() == 0):
+    if signum == signal.SIGUSR1 and (not dist.is_initialized() or dist.get_rank() == 0):
         try:
             done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
             failed = done.stderr.strip() if done.returncode else None
@@ -491,7 +491,7 @@ def start_node_processes(args):
     forward = lambda signum, frame: [os.kill(p.pid, signum) for p in context.processes if p.is_alive()]  # noqa: E731
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # kept by multiprocessing's resource tracker, which Slurm signals too
     context = mp.start_processes(run, args=(args,), nprocs=args.procs_per_node, join=False, start_method="spawn")
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # SIGINT: srun passes on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):  # SIGINT: srun passes on Ctrl-C
         signal.signal(sig, forward)
     try:
         while not context.join(grace_period=5):
@@ -501,7 +501,7 @@ def start_node_processes(args):
         # first to fail is the cause, and its code the task's. Only one killed by a signal cannot say it
         if isinstance(e, mp.ProcessExitedException) and e.exit_code > 0:
             sys.exit(e.exit_code)
-        if getattr(e, "signal_name", None) in ("SIGTERM", "SIGINT"):  # stopped from outside: the cause is elsewhere
+        if getattr(e, "signal_name", None) in ("SIGTERM", "SIGINT", "SIGHUP"):  # stopped from outside: not the cause
             sys.exit(1)
         what = (f"failed: {e.msg.strip().splitlines()[-1]}" if isinstance(e, mp.ProcessRaisedException)
                 else f"terminated with signal {e.signal_name}")
@@ -510,7 +510,7 @@ def start_node_processes(args):
         print(f"error: process {e.error_index} of this task {what}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:  # the processes are done: a stop request now changes nothing, and at exit Python would restore the
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # default (srun --kill-on-bad-exit sends
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):  # default (srun --kill-on-bad-exit
             signal.signal(sig, signal.SIG_IGN)  # SIGTERM as soon as another task exits 75: this one exits 75 too)
 
 
@@ -1308,7 +1308,7 @@ def memory_use(run, device):
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
     return f"model state {held / 2**20:.0f} MiB, peak memory {peak / 2**20:.0f} MiB per process"
 # endregion [benchmark]
-# region [preemption]: SIGTERM / SIGUSR1 (a scheduler's notice, a launcher gone): all ranks stop at one step, save
+# region [preemption]: SIGTERM / SIGUSR1 / SIGHUP (a scheduler, a launcher or terminal gone): all stop at a step, save
 PREEMPTED = 75  # the exit code of a run stopped early, its checkpoint saved: "resume me" (sysexits.h's EX_TEMPFAIL)
 
 
@@ -1319,17 +1319,19 @@ def sum_async(tensor, group):
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 set a flag, from the start of main_worker (a request during start-up stops the run at its
-    first steps). Ranks agree on it one step later through a non-blocking sum on the launcher's CPU group (`group`,
-    set once it exists: sum_async), so checking it every step costs no barrier and no GPU sync."""
+    """SIGTERM / SIGUSR1 / SIGHUP (a terminal hung up; torchrun passes it on, nohup or not) set a flag, from the start
+    of main_worker (a request during start-up stops the run at its first steps). Ranks agree on it one step later
+    through a non-blocking sum on the launcher's CPU group (`group`, set once it exists: sum_async), so checking it
+    every step costs no barrier and no GPU sync."""
 
     signum = None  # the signal that stopped the run (the Slurm script requeues after SIGUSR1 only)
 
     def __init__(self):
         self.group, self.requested, self.wait = None, False, None
         self.flag = torch.zeros(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
         self.requested, Preemption.signum = True, signum
@@ -1364,9 +1366,9 @@ class Preemption:
 
 
 def start_loader_worker(worker_id):
-    """The loaders' worker_init_fn. Launchers signal a whole process group: workers ignore SIGTERM and SIGUSR1, which
-    would take their training process down before its preemption checkpoint; they die with it, quietly."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    """The loaders' worker_init_fn. Launchers signal a whole process group: workers ignore SIGTERM, SIGUSR1 and SIGHUP,
+    which would take their training process down before its preemption checkpoint; they die with it, quietly."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     report = sys.excepthook

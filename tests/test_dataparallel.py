@@ -3,10 +3,12 @@ process, resumes after SIGTERM, and shares checkpoints with distributed.py both 
 import os
 import re
 import signal
+import sys
 
 import pytest
 
-from conftest import FAST, RESUME, assert_learned, assert_preempted, assert_same_run, metrics, ok, python
+from conftest import (FAST, RESUME, ROOT, Job, assert_learned, assert_preempted, assert_same_run, load, metrics, ok,
+                      python)
 
 SCRIPT = "dataparallel.py"
 
@@ -29,6 +31,18 @@ def test_learns_and_writes_a_checkpoint_distributed_py_evaluates_alike(image_dat
 def test_evaluates_a_checkpoint_of_distributed_py(image_data, uninterrupted):
     job = ok(python(SCRIPT, image_data, *FAST, "-e", "--resume", uninterrupted / "checkpoint.pth.tar"))
     assert val_loss(job) == pytest.approx(metrics(uninterrupted)[-1]["val_loss"], abs=1e-6)
+
+
+def test_under_nohup_a_hangup_changes_nothing(image_data, tmp_path):
+    """`nohup python dataparallel.py ...`: SIGHUP is ignored from the start and stays so, in the training process and
+    its loader workers: the run goes on to its end (without nohup, a hangup stops it with a checkpoint, as SIGTERM
+    does)."""
+    job = Job(["nohup", sys.executable, ROOT / SCRIPT, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "2",
+               "--output-dir", tmp_path])
+    job.wait_for_line("Epoch 0 [ 1/12]")
+    os.killpg(job.proc.pid, signal.SIGHUP)  # the terminal's hangup reaches the whole foreground process group
+    ok(job)
+    assert "preempted" not in job.output and load(tmp_path / "checkpoint.pth.tar")["epoch"] == 2
 
 
 def test_equals_distributed_py_with_one_process_also_when_preempted_and_resumed(image_data, tmp_path):

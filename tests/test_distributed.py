@@ -127,15 +127,16 @@ def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image
     assert_same_run(tmp_path, uninterrupted)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_a_signal_to_torchrun_ends_in_the_preemption_checkpoint_with_loader_workers(signum, image_data, tmp_path):
-    """SIGTERM to torchrun (`kill`, `timeout`, Kubernetes): torchrun passes it to each worker's process group,
-    loader workers included, which must not die of it. SIGKILL (kill -9, the OOM killer): the kernel tells the
-    workers (PR_SET_PDEATHSIG). Either way every process saves the checkpoint and is gone (Job.finish checks)."""
+    """SIGTERM to torchrun (`kill`, `timeout`, Kubernetes), or SIGHUP (the terminal or SSH session hung up; torchrun
+    takes it even under nohup): torchrun passes it to each worker's process group, loader workers included, which
+    must not die of it. SIGKILL (kill -9, the OOM killer): the kernel tells the workers (PR_SET_PDEATHSIG). Either
+    way every process saves the checkpoint and is gone (Job.finish checks)."""
     job = torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "3", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.send_signal(signum)
-    assert_preempted(job, tmp_path, code=LAUNCHER_FAILED if signum == signal.SIGTERM else -signum)
+    assert_preempted(job, tmp_path, code=-signum if signum == signal.SIGKILL else LAUNCHER_FAILED)
     assert "DataLoader worker" not in job.output
 
 

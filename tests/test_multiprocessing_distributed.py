@@ -25,10 +25,14 @@ def test_spawned_processes_learn_and_equal_torchrun(image_data, tmp_path, uninte
     assert_same_run(tmp_path, uninterrupted)
 
 
-def test_sigterm_to_the_job_with_loader_workers_saves_and_resume_auto_continues(image_data, tmp_path, uninterrupted):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_to_the_job_with_loader_workers_saves_and_resume_auto_continues(signum, image_data, tmp_path,
+                                                                                uninterrupted):
+    """To the parent, its workers and their loader workers: a scheduler's stop (SIGTERM), or the terminal's hangup
+    (SIGHUP, which the kernel sends to the whole foreground process group)."""
     job = spawn(SCRIPT, 2, image_data, *RESUME, "-j", "2", "--epochs", EPOCHS, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
-    os.killpg(job.proc.pid, signal.SIGTERM)  # a scheduler's stop: the parent, its workers and their loader workers
+    os.killpg(job.proc.pid, signum)
     step = assert_preempted(job, tmp_path)
     resumed = ok(spawn(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto",
                        "--output-dir", tmp_path))
