@@ -212,11 +212,15 @@ def held(data, tmp_path, *args, ballast=1, output_dir="out"):
     training forward pass let through; (job, let): let(n) lets n passes through in all."""
     (tmp_path / "held.py").write_text(HELD)
     gate = tmp_path / "gate"
-    gate.write_text("1")
+
+    def let(passes):  # in one rename: the model reads the file all the while, and must never find it half-written
+        (tmp_path / "gate.new").write_text(str(passes))
+        (tmp_path / "gate.new").replace(gate)
+    let(1)
     job = torchrun(SCRIPT, 2, data, *FAST, "-j", "2", "-p", "1", "-a", "held:Held",
                    "--output-dir", tmp_path / output_dir, *args,
                    env={"PYTHONPATH": tmp_path, "BALLAST": ballast, "GATE": gate})
-    return job, lambda passes: gate.write_text(str(passes))
+    return job, let
 
 
 def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(image_data, tmp_path):
