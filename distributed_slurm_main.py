@@ -832,9 +832,12 @@ def build_loaders(args, sets, num_classes, rank, world_size, device):
 def fork_loader_workers(*loaders):
     """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for later passes to
     reuse: a child forked while another thread holds a lock can hang for good (pytorch#130610), and later threads
-    (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG."""
+    (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG. Fork,
+    not the default start method where that is another (spawn's in a process spawn started, forkserver's from
+    Python 3.14): their workers would each import torch and the script anew, 400 MiB and seconds apiece."""
     for loader in loaders:
-        if loader.num_workers and multiprocessing.get_start_method() == "fork":
+        if loader.num_workers and sys.platform.startswith("linux"):
+            loader.multiprocessing_context = "fork"
             sampler, start = loader.sampler, loader.sampler.start
             sampler.start = start + len(sampler)  # past its end
             with torch.random.fork_rng(devices=[]):

@@ -7,13 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torchvision
 
 from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok,
-                      python, slow_start, torchrun)
+                      python, slow_start, spawn, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -207,9 +208,9 @@ class Held(torch.nn.Module):
 '''
 
 
-def held(data, tmp_path, *args, ballast=1, output_dir="out"):
-    """The script on `data` and the Held model, under torchrun with 2 processes and 2 loader workers each, its first
-    training forward pass let through; (job, let): let(n) lets n passes through in all."""
+def held(data, tmp_path, *args, ballast=1, output_dir="out", script=SCRIPT):
+    """The script on `data` and the Held model, under its launcher with 2 processes and 2 loader workers each, its
+    first training forward pass let through; (job, trainers, let): let(n) lets n passes through in all."""
     (tmp_path / "held.py").write_text(HELD)
     gate = tmp_path / "gate"
 
@@ -217,20 +218,25 @@ def held(data, tmp_path, *args, ballast=1, output_dir="out"):
         (tmp_path / "gate.new").write_text(str(passes))
         (tmp_path / "gate.new").replace(gate)
     let(1)
-    job = torchrun(SCRIPT, 2, data, *FAST, "-j", "2", "-p", "1", "-a", "held:Held",
-                   "--output-dir", tmp_path / output_dir, *args,
-                   env={"PYTHONPATH": tmp_path, "BALLAST": ballast, "GATE": gate})
-    return job, let
+    job = (torchrun if script == SCRIPT else spawn)(script, 2, data, *FAST, "-j", "2", "-p", "1", "-a", "held:Held",
+                                                    "--output-dir", tmp_path / output_dir, *args,
+                                                    env={"PYTHONPATH": tmp_path, "BALLAST": ballast, "GATE": gate})
+
+    def trainers():  # the training processes, in rank order
+        return job.spawned() if script != SCRIPT else [job.process_of_rank(rank) for rank in (0, 1)]
+    return job, trainers, let
 
 
-def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(image_data, tmp_path):
+@pytest.mark.parametrize("script", [SCRIPT, "multiprocessing_distributed.py"])
+def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(script, image_data, tmp_path):
     """A fork while other threads run can hang the child (pytorch#130610): both loaders' workers start before
     the process group's threads (gloo's: one hung a worker in os.fork in CI) and before training, and validation
-    takes the same workers every epoch."""
-    job, let = held(image_data, tmp_path, "--epochs", "2")
+    takes the same workers every epoch. Forked also in a process that spawn started, whose default start method is
+    spawn: a spawned worker imports torch and the script anew (seconds, and some 400 MiB, each)."""
+    job, trainers, let = held(image_data, tmp_path, "--epochs", "2", script=script)
 
     def workers():
-        return {rank: {p.pid for p in job.process_of_rank(rank).children()} for rank in (0, 1)}
+        return {rank: {p.pid for p in trainer.children()} for rank, trainer in enumerate(trainers())}
 
     def started(pid, tid=None):  # clock ticks since boot (/proc's starttime)
         stat = Path(f"/proc/{pid}" + (f"/task/{tid}" if tid else "") + "/stat").read_text()
@@ -239,7 +245,8 @@ def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(ima
     first = workers()
     assert [len(pids) for pids in first.values()] == [4, 4]  # 2 for training, 2 for validation
     for rank, pids in first.items():
-        trainer = job.process_of_rank(rank)
+        trainer = trainers()[rank]
+        assert {tuple(psutil.Process(pid).cmdline()) for pid in pids} == {tuple(trainer.cmdline())}  # forked
         gloo = [started(trainer.pid, t.id) for t in trainer.threads()
                 if "gloo" in Path(f"/proc/{trainer.pid}/task/{t.id}/comm").read_text()]
         assert gloo and max(started(pid) for pid in pids) <= min(gloo), (rank, gloo)
@@ -256,9 +263,9 @@ def test_loader_workers_keep_neither_the_model_nor_the_resumed_checkpoint(image_
     about +512 MiB over 2 ranks' workers after --resume, and its share of the model on a fresh start). Measured
     against the same fresh run with a model of no size."""
     def workers_pss(epoch, *args, ballast=2**26):
-        job, let = held(image_data, tmp_path, *args, ballast=ballast, output_dir=f"out{ballast}")
+        job, trainers, let = held(image_data, tmp_path, *args, ballast=ballast, output_dir=f"out{ballast}")
         job.wait_for_line(f"Epoch {epoch} [ 1/12]")
-        pss = sum(w.memory_full_info().pss for rank in (0, 1) for w in job.process_of_rank(rank).children())
+        pss = sum(w.memory_full_info().pss for trainer in trainers() for w in trainer.children())
         let(12)
         ok(job)
         return pss / 2**20
@@ -274,7 +281,7 @@ def test_a_rank_killed_while_it_saves_leaves_the_last_checkpoint_and_no_stray_fi
     checkpoint stays whole, and once a resumed run has saved, no temporary file is left, however many saves were
     killed (a file each would fill the disk)."""
     out = tmp_path / "out"
-    job, let = held(image_data, tmp_path, "--epochs", "2", ballast=2**27)
+    job, _, let = held(image_data, tmp_path, "--epochs", "2", ballast=2**27)
     let(10**6)
     job.wait_for_line("Epoch 1 [ 1/12]")
     deadline = time.time() + 120
@@ -287,7 +294,7 @@ def test_a_rank_killed_while_it_saves_leaves_the_last_checkpoint_and_no_stray_fi
     writer.kill()
     job.finish()
     assert job.returncode != 0 and load(out / "checkpoint.pth.tar")["epoch"] == 1
-    job, let = held(image_data, tmp_path, "--epochs", "3", "--resume", "auto", ballast=2**27)
+    job, _, let = held(image_data, tmp_path, "--epochs", "3", "--resume", "auto", ballast=2**27)
     let(10**6)
     ok(job)
     assert load(out / "checkpoint.pth.tar")["epoch"] == 3 and not list(out.glob("*.tmp*")), sorted(out.iterdir())

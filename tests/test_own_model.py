@@ -405,7 +405,7 @@ def test_other_launchers_take_the_same_model(script, project, reference, tmp_pat
         for ours, theirs in zip(metrics(tmp_path), metrics(reference)):
             assert ours["val_acc1"] == pytest.approx(theirs["val_acc1"], abs=5) and ours["val_acc1"] >= 70
     else:
-        ok(spawn(project / script, 2, *args, "-j", "0", cwd=project))  # spawned loader workers: slow to start
+        ok(spawn(project / script, 2, *args, cwd=project))
         assert_same_run(tmp_path, reference, epochs=EPOCHS)
 
 
