@@ -849,8 +849,9 @@ def build_loaders(args, sets, num_classes, rank, world_size, device):
         loader_args.update(collate_fn=DeviceDecoded.collate)  # [gpu-decode]
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
-    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
-    fork_loader_workers(train_loader, val_loader)
+    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size),
+                            **{**loader_args, "pin_memory": False})  # fork_loader_workers says why
+    fork_loader_workers(val_loader, train_loader)
     mean, std = getattr(train_set, "mean", None), getattr(train_set, "std", None)  # the data's own normalization
     normalize = NORMALIZE if mean is None else {len(mean): (mean, std)}
     return (train_sampler, Prefetcher(train_loader, device, args.channels_last, normalize),
@@ -862,7 +863,9 @@ def fork_loader_workers(*loaders):
     reuse: a child forked while another thread holds a lock can hang for good (pytorch#130610), and later threads
     (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG. Fork,
     not the default start method where that is another (spawn's in a process spawn started, forkserver's from
-    Python 3.14): their workers would each import torch and the script anew, 400 MiB and seconds apiece."""
+    Python 3.14): their workers would each import torch and the script anew, 400 MiB and seconds apiece. One loader
+    only, the last, may pin memory: its pin-memory thread starts right after its workers, and a fork beside that
+    thread's start can inherit a lock it holds and hang (pytorch#130610); validation copies from pageable memory."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"

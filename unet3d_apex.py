@@ -567,8 +567,9 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     train_loader = DataLoader(train_data, batch_size=args.batch_size // world_size, sampler=train_sampler,
                               drop_last=True, **loader_args)
     # one whole volume per batch: volumes differ in shape
-    val_loader = DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size), **loader_args)
-    fork_loader_workers(train_loader, val_loader)
+    val_loader = DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size),
+                            **{**loader_args, "pin_memory": False})  # fork_loader_workers says why
+    fork_loader_workers(val_loader, train_loader)
     return train_sampler, DevicePrefetcher(train_loader, device), DevicePrefetcher(val_loader, device)
 
 
@@ -674,7 +675,9 @@ def fork_loader_workers(*loaders):
     reuse: a child forked while another thread holds a lock can hang for good (pytorch#130610), and later threads
     (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG. Fork,
     not the default start method where that is another (spawn's in a process spawn started, forkserver's from
-    Python 3.14): their workers would each import torch and the script anew, 400 MiB and seconds apiece."""
+    Python 3.14): their workers would each import torch and the script anew, 400 MiB and seconds apiece. One loader
+    only, the last, may pin memory: its pin-memory thread starts right after its workers, and a fork beside that
+    thread's start can inherit a lock it holds and hang (pytorch#130610); validation copies from pageable memory."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"

@@ -293,6 +293,12 @@ def ok(job, timeout=300):
     return job
 
 
+def started(pid, tid=None):
+    """When a process (or one of its threads) started: clock ticks since boot, /proc's starttime."""
+    stat = Path(f"/proc/{pid}" + (f"/task/{tid}" if tid else "") + "/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 def import_script(script):
     """A top-level script as a module (its main() does not run), to test its parts directly."""
     spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)

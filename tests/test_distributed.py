@@ -14,7 +14,7 @@ import torchvision
 
 from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok,
-                      python, slow_start, spawn, torchrun)
+                      python, slow_start, spawn, started, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -237,10 +237,6 @@ def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(scr
 
     def workers():
         return {rank: {p.pid for p in trainer.children()} for rank, trainer in enumerate(trainers())}
-
-    def started(pid, tid=None):  # clock ticks since boot (/proc's starttime)
-        stat = Path(f"/proc/{pid}" + (f"/task/{tid}" if tid else "") + "/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
     job.wait_for_line("Epoch 0 [ 1/12]")
     first = workers()
     assert [len(pids) for pids in first.values()] == [4, 4]  # 2 for training, 2 for validation

@@ -3,15 +3,16 @@ complete checkpoint, and a SIGTERM mid-epoch followed by --resume auto ends with
 metrics of an uninterrupted run, bit for bit (--deterministic). The siblings that share distributed.py's trainer
 also equal distributed.py bit for bit, as they do on the CPU."""
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import EPOCHS, assert_learned, assert_preempted, assert_same_run, metrics, ok
+from conftest import EPOCHS, assert_learned, assert_preempted, assert_same_run, metrics, ok, started
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HOROVOD, NCCL, ON_CPU, SLURM, SPAWN, UNET, args_of,
-                      assert_scaler, checkpoint_of, horovod_missing, launch, preempt, preempt_line, preempted_code,
-                      signal_target)
+                      assert_scaler, checkpoint_of, cuda_only, horovod_missing, launch, preempt, preempt_line,
+                      preempted_code, signal_target)
 
 SCRIPTS = [DISTRIBUTED, SPAWN, DATAPARALLEL, APEX, HOROVOD, SLURM, UNET]
 # what each one says about where it runs
@@ -89,3 +90,20 @@ def test_gpu_decode_learns_with_the_crops_of_decoding_in_the_workers(image_data,
         assert_same_run(tmp_path, reference[1])
     else:
         assert_learned(tmp_path, EPOCHS)
+
+
+@cuda_only
+@pytest.mark.parametrize("script", [DISTRIBUTED, UNET])  # their build_loaders: the ImageNet scripts' and the U-Net's
+def test_no_loader_worker_is_forked_beside_a_pin_memory_thread(script, image_data, tmp_path):
+    """pytorch#130610: a worker forked while a loader's pin-memory thread starts can inherit a lock that thread holds
+    and hang for good. Only the training loader pins, and it forks its workers last: its thread, the only one, starts
+    after every loader worker."""
+    job = launch(script, *([] if script == UNET else [image_data]), *args_of(script), "-j", "2", "--epochs", "1000",
+                 "--output-dir", tmp_path)
+    job.wait_for_line("Epoch 0 [ 1/")
+    trainer = job.process_of_rank(0)
+    threads = {t.id: Path(f"/proc/{trainer.pid}/task/{t.id}/comm").read_text().strip() for t in trainer.threads()}
+    pinning = [started(trainer.pid, tid) for tid, name in threads.items() if name == "pt_data_pin"]
+    workers = [started(child.pid) for child in trainer.children()]
+    job.kill()
+    assert len(pinning) == 1 and len(workers) == 4 and max(workers) <= pinning[0], (threads, workers)
