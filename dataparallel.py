@@ -877,6 +877,14 @@ def atomic_write(path, write):
         raise
 
 
+def tensor_bytes(obj):
+    """Bytes of all the tensors in a nested state dict: about the size of its file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
 def save_checkpoint(state, is_best, output_dir):
     """checkpoint.pth.tar, and a copy in model_best.pth.tar."""
     path = os.path.join(output_dir, CHECKPOINT)
@@ -1747,14 +1755,6 @@ def explain_failed_save(save_checkpoint):
                             f"are free there; make room or give another --output-dir (the last checkpoint is kept)"
                             ) from None
     return save
-
-
-def tensor_bytes(obj):
-    """Bytes of all the tensors in a nested state dict: about the size of its file."""
-    if isinstance(obj, torch.Tensor):
-        return obj.untyped_storage().nbytes()
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(tensor_bytes(v) for v in values)
 
 
 def explain_unreadable(read_checkpoint):

@@ -30,7 +30,7 @@ NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join
          "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
-         "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
+         "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
 FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "clip_gradients", "sync_batchnorm",
             "ddp_buffer_options", "span_union",
             "span_common", "StepProfiler", "benchmark",
@@ -39,8 +39,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["check_torchrun", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
           "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus", "explain_failed_save",
-          "tensor_bytes", "explain_unreadable", "explain_damaged", "check_same_checkpoint", "check_items",
-          "check_finite", "PEER_GONE", "explain_failure",
+          "explain_unreadable", "explain_damaged", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE",
+          "explain_failure",
           "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX
