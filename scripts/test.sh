@@ -2,8 +2,8 @@
 # Fresh machine -> the tests, which launch the scripts for real on CPU (plus about 6 minutes the first time, to build
 # Horovod). Other arguments pass through to pytest.
 #
-#   bash scripts/test.sh                 # the whole suite on 2 pytest-xdist workers: about 40 minutes on 2 cores
-#   bash scripts/test.sh --quick         # the quick tier (pytest -m quick), after each edit: about 2 minutes
+#   bash scripts/test.sh                 # the whole suite on 2 pytest-xdist workers: 40 to 60 minutes on 2 cores
+#   bash scripts/test.sh --quick         # the quick tier (pytest -m quick), after each edit: 2 to 3 minutes
 #   bash scripts/test.sh -k bad_input    # pytest arguments pass through; -n 0 runs the tests one by one
 #
 # The workers: 2, or 1 on a machine with one core (each test's jobs run 2 processes or more). --dist loadgroup keeps
