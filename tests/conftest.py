@@ -299,6 +299,12 @@ def started(pid, tid=None):
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def threads_started(process, name):
+    """When each of the process's threads whose name holds `name` started (started's clock)."""
+    return [started(process.pid, t.id) for t in process.threads()
+            if name in Path(f"/proc/{process.pid}/task/{t.id}/comm").read_text()]
+
+
 def import_script(script):
     """A top-level script as a module (its main() does not run), to test its parts directly."""
     spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)

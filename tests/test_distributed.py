@@ -14,7 +14,7 @@ import torchvision
 
 from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok,
-                      python, slow_start, spawn, started, torchrun)
+                      python, slow_start, spawn, started, threads_started, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -243,8 +243,7 @@ def test_every_loader_worker_is_forked_before_the_first_step_and_never_again(scr
     for rank, pids in first.items():
         trainer = trainers()[rank]
         assert {tuple(psutil.Process(pid).cmdline()) for pid in pids} == {tuple(trainer.cmdline())}  # forked
-        gloo = [started(trainer.pid, t.id) for t in trainer.threads()
-                if "gloo" in Path(f"/proc/{trainer.pid}/task/{t.id}/comm").read_text()]
+        gloo = threads_started(trainer, "gloo")
         assert gloo and max(started(pid) for pid in pids) <= min(gloo), (rank, gloo)
     let(13)  # the rest of epoch 0, a validation, and epoch 1's first step
     job.wait_for_line("Epoch 1 [ 1/12]")

@@ -3,12 +3,11 @@ complete checkpoint, and a SIGTERM mid-epoch followed by --resume auto ends with
 metrics of an uninterrupted run, bit for bit (--deterministic). The siblings that share distributed.py's trainer
 also equal distributed.py bit for bit, as they do on the CPU."""
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import EPOCHS, assert_learned, assert_preempted, assert_same_run, metrics, ok, started
+from conftest import EPOCHS, assert_learned, assert_preempted, assert_same_run, metrics, ok, started, threads_started
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HOROVOD, NCCL, ON_CPU, SLURM, SPAWN, UNET, args_of,
                       assert_scaler, checkpoint_of, cuda_only, horovod_missing, launch, preempt, preempt_line,
@@ -102,8 +101,7 @@ def test_no_loader_worker_is_forked_beside_a_pin_memory_thread(script, image_dat
                  "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/")
     trainer = job.process_of_rank(0)
-    threads = {t.id: Path(f"/proc/{trainer.pid}/task/{t.id}/comm").read_text().strip() for t in trainer.threads()}
-    pinning = [started(trainer.pid, tid) for tid, name in threads.items() if name == "pt_data_pin"]
+    pinning = threads_started(trainer, "pt_data_pin")
     workers = [started(child.pid) for child in trainer.children()]
     job.kill()
-    assert len(pinning) == 1 and len(workers) == 4 and max(workers) <= pinning[0], (threads, workers)
+    assert len(pinning) == 1 and len(workers) == 4 and max(workers) <= pinning[0], (pinning, workers)
