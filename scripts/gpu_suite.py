@@ -13,7 +13,8 @@ runs that several cases compare with are made once for all of them (GPU_SUITE_SH
 made_once), each group has its own --basetemp and its own block of ports (TEST_PORT_BLOCK: tests/conftest.py's
 free_port), and OMP_NUM_THREADS is the cores divided by the jobs. A failed group's log is printed when it ends; the
 last line counts every case: "test_gpu: N passed, M failed, K skipped in X s", the wall time since test_gpu.sh
-started. Exit 0 only when no case failed and every case ran."""
+started; the cases not run (--time-limit, Ctrl-C) are listed in a file, and the line before names the command that
+runs them. Exit 0 only when no case failed and every case ran."""
 import json
 import os
 import re
@@ -123,7 +124,11 @@ class Group:
         self.log, self.basetemp = folder / f"group{number}.log", folder / f"group{number}"
         self.results = folder / f"group{number}.results"
         self.proc = self.slot = self.started = self.interrupted = None
-        self.counts = {}
+        self.outcomes = {}
+
+    @property
+    def counts(self):
+        return {k: sum(o == k for o in self.outcomes.values()) for k in ("passed", "failed", "skipped", "not run")}
 
     def start(self, slot, pytest_args, env):
         self.slot, self.started = slot, time.time()
@@ -151,7 +156,7 @@ class Group:
                 self.proc.wait()
             else:
                 return False
-        self.counts = results(self.results, len(self.cases))
+        self.outcomes = results(self.results, self.cases)
         kill_leftovers(self.proc.pid)
         return True
 
@@ -174,22 +179,15 @@ def pytest_runtest_logreport(report):
 
 
 def results(path, cases):
-    """A group's cases passed, failed (errors in setup or teardown included), skipped, and not run (or stopped
-    before their end: an interrupted case has no report of its call)."""
-    phases = {}
+    """{case: passed, failed (errors in setup or teardown included), skipped, or not run (or stopped before its
+    end: an interrupted case has no report of its call)}."""
+    phases = {case: {} for case in cases}
     if path.exists():
         for line in path.read_text().splitlines():
             case, when, outcome = json.loads(line)
             phases.setdefault(case, {})[when] = outcome
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "not run": cases - len(phases)}
-    for outcomes in phases.values():
-        if "failed" in outcomes.values():
-            counts["failed"] += 1
-        elif "skipped" in outcomes.values():
-            counts["skipped"] += 1
-        else:
-            counts["passed" if outcomes.get("call") == "passed" else "not run"] += 1
-    return counts
+    return {case: "failed" if "failed" in seen.values() else "skipped" if "skipped" in seen.values() else
+            "passed" if seen.get("call") == "passed" else "not run" for case, seen in phases.items()}
 
 
 def describe(counts):
@@ -247,7 +245,7 @@ def run(groups, jobs, pytest_args, time_limit, started):
         for sig, handler in old.items():
             signal.signal(sig, handler)
     for group in pending:
-        group.counts = {"not run": len(group.cases)}
+        group.outcomes = dict.fromkeys(group.cases, "not run")
     return stopped
 
 
@@ -281,14 +279,17 @@ def main():
     failed = [line for g in groups if g.proc and not g.ok
               for line in g.log.read_text(errors="replace").splitlines() if re.match(r"(FAILED|ERROR) ", line)]
     print("\n".join(failed), end="\n" if failed else "")
-    total = {k: sum(g.counts.get(k, 0) for g in groups) for k in ("passed", "failed", "skipped", "not run")}
+    total = {k: sum(g.counts[k] for g in groups) for k in ("passed", "failed", "skipped", "not run")}
     ok = all(g.ok for g in groups) and not stopped
     if ok:
         shutil.rmtree(folder, ignore_errors=True)
     else:
         why = f"{stopped}; " if stopped else ""
-        hint = "; run the rest with --shard (README)" if total["not run"] and options["time_limit"] else ""
-        print(f"test_gpu: {why}logs and output folders kept in {folder}{hint}")
+        print(f"test_gpu: {why}logs and output folders kept in {folder}")
+        if total["not run"]:  # named in a file, so that the next call runs exactly these
+            rest = folder / "not_run.txt"
+            rest.write_text("".join(f"{c}\n" for g in groups for c, o in g.outcomes.items() if o == "not run"))
+            print(f"test_gpu: the cases not run: bash scripts/test_gpu.sh $(cat {rest})")
     print(f"test_gpu: {describe(total)} in {time.time() - started:.0f} s "
           f"({jobs} jobs, {len(groups)} groups{shard})", flush=True)
     return 0 if ok else 1

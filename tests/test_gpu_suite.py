@@ -1,14 +1,15 @@
 """The GPU acceptance suite (tests/gpu, run by scripts/test_gpu.sh) as far as a machine without a GPU can check
 it: the script refuses in one line, never with "0 passed"; every case collects, with the GPU's parameters and
 with GPU_SUITE_ON_CPU=1; the CPU suite leaves it out; and its runner (scripts/gpu_suite.py) runs groups of cases
-at the same time, counts them in one last line, fails when one fails, ends what runs when stopped, and cuts the
-cases into shards that together hold each once."""
+at the same time, counts them in one last line, fails when one fails, ends what runs when stopped and names the
+cases it did not run, and cuts the cases into shards that together hold each once."""
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -136,6 +137,8 @@ def test_runner_stopped_midway_ends_its_cases_and_counts_them_as_not_run(tmp_pat
     assert "stopped by signal 2" in output and not psutil.pid_exists(int(hanging.read_text())), output
     assert re.fullmatch(r"test_gpu: 1 passed, 0 failed, 0 skipped, 1 not run in \d+ s \(1 jobs, 1 groups\)",
                         output.strip().splitlines()[-1]), output
+    rest = re.search(r"^test_gpu: the cases not run: bash scripts/test_gpu.sh \$\(cat (\S+)\)$", output, re.M)
+    assert rest and re.fullmatch(r"tests/gpu/test_models.py::\S+\[squeezenet1_1\]\n", Path(rest[1]).read_text()), output
 
 
 def test_runner_shards_hold_every_case_once(tmp_path):
