@@ -871,6 +871,8 @@ def read_volume(path, shape_only=False):
     except Exception as e:  # truncated, corrupt, not what its name says: all mean the same to the user
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise RankError(f"cannot read volume {path} ({reason}): replace or remove the file") from None
+    if not shape_only and array.dtype.kind not in "biuf":  # complex, text, dates: no intensities to learn from
+        raise RankError(f"{path} holds {array.dtype} values: a volume holds integers, floats or booleans; convert it")
     return tuple(array.shape) if shape_only else array
 
 
@@ -904,8 +906,9 @@ class VolumeFolder(Dataset):
             self.pairs.append((image, label))
         for image_path, label_path in self.pairs:
             image, label = read_volume(image_path, shape_only=True), read_volume(label_path, shape_only=True)
-            if len(image) not in (3, 4):
-                raise UserError(f"{image_path} has shape {shape_text(image)}: volumes must be D×H×W or C×D×H×W")
+            if len(image) not in (3, 4) or 0 in image:
+                raise UserError(f"{image_path} has shape {shape_text(image)}: volumes must be D×H×W or C×D×H×W, "
+                                f"no side 0")
             if label != image[-3:] and label != (1, *image[-3:]):
                 raise UserError(f"shape mismatch: {image_path} is {shape_text(image)}, {label_path} is "
                                 f"{shape_text(label)}; a label must have its image's D×H×W")

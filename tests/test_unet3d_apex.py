@@ -227,6 +227,13 @@ CASES = {
     "2-D image": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy",
                                                                        np.zeros((12, 20))))],
                   r"train/images/vol0.npy has shape 12×20: volumes must be D×H×W or C×D×H×W"),
+    "empty volume": (1, lambda d, t: [broken_copy(d, t, lambda x: [replace(x / "val" / kind / "vol1.npy", np.zeros(
+        (16, 0, 16), np.uint8)) for kind in ("images", "labels")])],
+                     r"val/images/vol1.npy has shape 16×0×16: volumes must be D×H×W or C×D×H×W, no side 0"),
+    "complex image": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol2.npy",
+                                                                           np.zeros((18, 24, 20), np.complex64)))],
+                      r"train/images/vol2.npy holds complex64 values: a volume holds integers, floats or booleans; "
+                      r"convert it"),
     "non-binary label found by rank 1 of 2": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(
         x / "train" / "labels" / "vol1.npy", np.arange(16 * 20 * 24).reshape(16, 20, 24) % 3))],
         r"train/labels/vol1.npy is not a binary mask \(values 0, 1, 2\): labels must hold only 0 and 1"),
