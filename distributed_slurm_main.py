@@ -157,6 +157,13 @@ SLURM_VARS = ("SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "
 def slurm_task():
     """(procid, ntasks, localid, nodeid) of this srun task; a job of one task when srun did not start it."""
     env, present = os.environ, [v for v in SLURM_VARS if v in os.environ]
+    numbers = [v for v in (*SLURM_VARS, "SLURM_NNODES", "SLURM_TASK_PID", "SLURM_RESTART_COUNT", "MASTER_PORT")
+               if v in env]
+    if not (all(env[v].isdigit() for v in numbers) and int(env.get("SLURM_PROCID", 0)) < int(env.get("SLURM_NTASKS", 1))
+            and int(env.get("MASTER_PORT", 1)) < 2**16):
+        shown = ", ".join(f"{v}={env[v]!r}" for v in numbers)
+        raise RankError(f"Slurm's variables are not numbers that fit together ({shown}): start the script with srun, "
+                        f"or unset the SLURM_* variables to run one process")
     if "SLURM_STEP_ID" not in env and "SLURM_JOB_ID" in env:  # the batch script (or salloc shell) itself
         if int(env.get("SLURM_NTASKS", 1)) > 1:
             raise UserError(f"this is the batch script of a job of {env['SLURM_NTASKS']} tasks, not one of the "
@@ -435,8 +442,8 @@ def main():
     try:
         args = parse_args()
     except UserError as e:  # every task parses the same command line: the first of each node reports it
-        exit_bad_input(e, reporter=int(os.environ.get("SLURM_LOCALID", 0)) == 0)
-    if not args.resume and int(os.environ.get("SLURM_RESTART_COUNT", 0)) > 0:
+        exit_bad_input(e, reporter=first_on_node(None))
+    if not args.resume and os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
         args.resume = "auto"  # a requeued job continues where it stopped
     if args.procs_per_node:
         start_node_processes(args)
@@ -444,19 +451,25 @@ def main():
         run(None, args)
 
 
+def first_on_node(local_index):
+    """Whether this process reports bad input for its node: each node's first, in both ways, and any process whose
+    Slurm variables are not a task's (slurm_task refuses them)."""
+    localid = os.environ.get("SLURM_LOCALID", "0")
+    return not local_index and (localid == "0" or not localid.isdigit() or "SLURM_STEP_ID" not in os.environ)
+
+
 def run(local_index, args):
     """One training process; a batch job is requeued after its preemption checkpoint."""
-    # 0 on each node's first process in both ways, and wherever the Slurm variables are not a task's (errors)
-    local_rank = (local_index or 0) + (int(os.environ.get("SLURM_LOCALID", 0)) if "SLURM_STEP_ID" in os.environ else 0)
+    reporter = first_on_node(local_index)
     try:
         code = main_worker(args, local_index)
         if code == PREEMPTED:  # [preemption]
             requeue(Preemption.signum)  # [preemption]
         sys.exit(code)
     except UserError as e:  # one line per node: each node may see its own problem
-        exit_bad_input(e, reporter=local_rank == 0)
+        exit_bad_input(e, reporter=reporter)
     except KeyboardInterrupt:  # [safety]
-        exit_ctrl_c(reporter=local_rank == 0)  # [safety]
+        exit_ctrl_c(reporter=reporter)  # [safety]
     except Exception:  # a bug: its traceback, here (spawn would hand it to the parent, which sees one failure only)
         traceback.print_exc()
         sys.exit(1)

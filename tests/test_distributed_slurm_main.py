@@ -302,6 +302,18 @@ def test_half_set_slurm_variables_are_one_clear_error(image_data, tmp_path):
         "the script with srun, or unset the SLURM_* variables to run one process"), job.output
 
 
+@pytest.mark.parametrize("wrong", [{"SLURM_PROCID": "2"}, {"SLURM_LOCALID": "-1"}, {"SLURM_NTASKS": "two"}])
+def test_slurm_variables_that_are_no_numbers_that_fit_are_one_clear_line(wrong, image_data, tmp_path):
+    """A whole task's variables with a rank past the job's tasks, or not numbers: set by hand or by a wrapper."""
+    task = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", **wrong}
+    job = python(SCRIPT, image_data, "--epochs", "1", "--output-dir", tmp_path, env=task).finish(60)
+    name, value = next(iter(wrong.items()))
+    assert job.returncode == 2 and re.match(
+        rf"error: Slurm's variables are not numbers that fit together \(.*{name}='{value}'.*\): start the script "
+        rf"with srun, or unset the SLURM_\* variables to run one process\n", job.output), job.output
+
+
 def test_slurm_variables_left_from_another_job_are_one_clear_line(image_data, tmp_path):
     """A whole task's variables, in a shell that outlived its job (a tmux started inside it, an exported copy)."""
     left = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
