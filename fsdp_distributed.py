@@ -56,6 +56,7 @@ import shutil
 import signal
 import socket  # [safety]
 import sys
+import tempfile  # [safety]
 import time
 import traceback  # [safety]
 
@@ -481,14 +482,14 @@ def first_failure(error):
     return next((failure[0] for failure in getattr(error, "failures", {}).values()), error)
 
 
-def cannot_write(error, output_dir, need):
+def cannot_write(error, output_dir, need, flag="--output-dir"):
     """The one line for a checkpoint that could not be written (the disk full, the folder gone), which rank 0 says:
     torch.distributed.checkpoint raises a failed save on every rank, and only rank 0 writes the rest."""
     free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0
     error = first_failure(error)
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[-1]
     return UserError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason[:100]}): {need}, "
-                     f"{free:.0f} MiB are free there; make room or give another --output-dir (the last checkpoint "
+                     f"{free:.0f} MiB are free there; make room or give another {flag} (the last checkpoint "
                      f"is kept)")
 
 
@@ -644,7 +645,8 @@ class RunState:
                 atomic_write(path, lambda f: torch.save(state, f))
             except (OSError, RuntimeError) as e:
                 raise cannot_write(e, os.path.dirname(os.path.abspath(path)),
-                                   f"the full weights take about {tensor_bytes(state) / 2**20:.0f} MiB") from None
+                                   f"the full weights take about {tensor_bytes(state) / 2**20:.0f} MiB",
+                                   "--export" if path == args.export else "--output-dir") from None
 
     def load_state_dict(self, ckpt, args, rank, world_size, log):
         """Everything back from a checkpoint (load_checkpoint's), only the weights for --evaluate: each rank reads
@@ -1737,8 +1739,17 @@ def check_launch_args(args, world_size, device):
         raise UserError(f"--resume {args.resume} is a file: fsdp_distributed.py resumes training from its folders "
                         f"of shards ({CHECKPOINT}); evaluate a file of full weights with -e")
     folder = os.path.dirname(os.path.abspath(args.export or "."))
+    if args.export and os.path.isdir(args.export):
+        raise UserError(f"--export {args.export} is a folder: give the path of a file in it, e.g. "
+                        f"{os.path.join(args.export, 'full.pth.tar')}")
     if args.export and not os.path.isdir(folder) and folder != os.path.abspath(args.output_dir):  # made later
         raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
+    try:  # a folder read-only, or another user's: found now, not when the training ends
+        if args.export and os.path.isdir(folder):
+            tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UserError(f"--export {args.export}: {folder} cannot be written ({e.strerror}); give another "
+                        f"path") from None
 
 
 def check_run(args, world_size, device, sets):

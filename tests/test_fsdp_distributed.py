@@ -229,6 +229,18 @@ def test_every_arch_is_cut_into_groups_that_leave_the_root_almost_nothing(arch):
     assert len(FSDP.blocks(model)) >= 4 and root <= 0.05 * sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("where", ["a folder", "read-only"])
+def test_an_export_path_that_cannot_be_written_is_one_clear_line_before_training(where, small_disk, image_data,
+                                                                                tmp_path):
+    """Found when the training starts, not when it ends: the full weights are written last."""
+    path = tmp_path if where == "a folder" else small_disk("1m", read_only=True) / "full.pth.tar"
+    job = python(SCRIPT, image_data, *SGD, "--epochs", "1", "--output-dir", tmp_path / "out", "--export", path)
+    expected = {"a folder": rf"--export {re.escape(str(path))} is a folder: give the path of a file in it",
+                "read-only": r"--export .*full.pth.tar: .* cannot be written \(Read-only file system\); give another "
+                             r"path"}[where]
+    assert_one_clear_line(job.finish(120), expected)
+
+
 @pytest.mark.xdist_group("fsdp_references")
 def test_a_full_disk_while_the_shards_are_written_keeps_the_last_checkpoint(pairs, small_disk, image_data):
     """The next checkpoint folder does not fit beside the last: the save fails on every rank, one line says so,
