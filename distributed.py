@@ -1483,16 +1483,21 @@ def check_torchrun():
         raise RankError(f"torchrun's variables are not numbers that fit together ({shown}): start the script with "
                         f"torchrun, or unset them to run one process")
     address = os.environ.get("MASTER_ADDR") or "localhost"
-    try:
-        socket.getaddrinfo(address, None)
-    except OSError as e:  # a name that does not resolve: the rendezvous would time out
-        raise RankError(f"MASTER_ADDR={address} does not resolve ({e.strerror}): give the address of the node of "
-                        f"rank 0") from None
+    check_address(address, f"MASTER_ADDR={address}")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(given["TORCHELASTIC_MAX_RESTARTS"]):
         if given["RANK"] == "0":
             print("note: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; with the "
                   "store shared, restarted workers can read their predecessors' addresses and fail "
                   "(pytorch/pytorch#135712)", flush=True)
+
+
+def check_address(address, named):
+    """A rendezvous host name that does not resolve, named as the user gave it: the rendezvous would wait for it
+    until --dist-timeout (30 minutes by default)."""
+    try:
+        socket.getaddrinfo(address, None)
+    except OSError as e:
+        raise RankError(f"{named} does not resolve ({e.strerror}): give the address of the node of rank 0") from None
 
 
 def check_args(args):

@@ -309,6 +309,7 @@ def rendezvous(args):
                                            f"{env.get('SLURM_STEP_ID', 0)}.{env.get('SLURM_RESTART_COUNT', 0)}")
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     host = env.get("MASTER_ADDR") or (expand_hostlist(nodes)[0] if nodes else "127.0.0.1")
+    check_address(host, f"MASTER_ADDR={host}" if env.get("MASTER_ADDR") else f"the job's first node {host}")  # [safety]
     port = env.get("MASTER_PORT") or (20000 + int(env["SLURM_JOB_ID"]) % 40000 if "SLURM_JOB_ID" in env else 29500)
     return f"tcp://{host}:{port}"
 
@@ -1628,6 +1629,15 @@ def write_epoch(row, writer, output_dir):
 
 # region [safety]
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_address(address, named):
+    """A rendezvous host name that does not resolve, named as the user gave it: the rendezvous would wait for it
+    until --dist-timeout (30 minutes by default)."""
+    try:
+        socket.getaddrinfo(address, None)
+    except OSError as e:
+        raise RankError(f"{named} does not resolve ({e.strerror}): give the address of the node of rank 0") from None
 
 
 def check_args(args):

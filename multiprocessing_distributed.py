@@ -169,8 +169,11 @@ def check_launch(args):
         raise UserError(f"--world-size {args.world_size} needs --dist-url tcp://HOST:PORT, HOST being node 0, "
                         f"the same on every node")
     url = urllib.parse.urlparse(args.dist_url or "tcp://127.0.0.1:0")
-    if url.scheme != "tcp" or not url.hostname or url.port is None:
-        raise UserError(f"--dist-url {args.dist_url}: give tcp://HOST:PORT, HOST being node 0's address")
+    port = url.netloc.rpartition(":")[2]  # (url.port raises past 65535)
+    if url.scheme != "tcp" or not url.hostname or not port.isdigit() or int(port) >= 2**16:
+        raise UserError(f"--dist-url {args.dist_url}: give tcp://HOST:PORT, HOST being node 0's address, PORT a "
+                        f"number below 65536")
+    check_address(url.hostname, f"--dist-url {args.dist_url}: {url.hostname}")  # [safety]
     if args.node_rank != 0:
         return None
     # node 0's parent serves the store the workers meet at; port 0: a free one, so two jobs never collide
@@ -1587,6 +1590,15 @@ def write_epoch(row, writer, output_dir):
 
 # region [safety]
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_address(address, named):
+    """A rendezvous host name that does not resolve, named as the user gave it: the rendezvous would wait for it
+    until --dist-timeout (30 minutes by default)."""
+    try:
+        socket.getaddrinfo(address, None)
+    except OSError as e:
+        raise RankError(f"{named} does not resolve ({e.strerror}): give the address of the node of rank 0") from None
 
 
 def check_args(args):

@@ -37,7 +37,7 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
             "set_tf32", "compile_model", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
-SAFETY = ["check_torchrun", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
+SAFETY = ["check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
           "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus", "explain_failed_save",
           "explain_unreadable", "explain_damaged", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE",
           "explain_failure",
@@ -66,9 +66,10 @@ OWN = {
 }
 # shared names a sibling has no use for: no process group of torch.distributed's, no torchrun
 TORCHRUN_CHECKS = {"check_torchrun"}
-NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "ddp_buffer_options", *TORCHRUN_CHECKS},
+NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "ddp_buffer_options", "check_address",
+                                   *TORCHRUN_CHECKS},
                "horovod_distributed.py": {"join_process_group", "check_shared_gpus", "ddp_buffer_options",
-                                          *TORCHRUN_CHECKS},
+                                          "check_address", *TORCHRUN_CHECKS},
                "fsdp_distributed.py": {"ddp_buffer_options"},
                "multiprocessing_distributed.py": TORCHRUN_CHECKS,
                "distributed_slurm_main.py": TORCHRUN_CHECKS,

@@ -300,6 +300,16 @@ def test_spawn_rendezvous_port_already_in_use(image_data, tmp_path):
                                r"in use\); another job may use it: choose a free port")
 
 
+@pytest.mark.parametrize("url, expected", [
+    ("tcp://127.0.0.1:99999", r"give tcp://HOST:PORT, HOST being node 0's address, PORT a number below 65536"),
+    ("tcp://no.such.host.invalid:29500", r"no.such.host.invalid does not resolve \(.*\): give the address of the node "
+                                         r"of rank 0")])
+def test_spawn_dist_url_that_cannot_be_met_at_is_one_clear_line(url, expected, image_data, tmp_path):
+    """A port past 65535 was a traceback; a host that does not resolve, a wait until --dist-timeout (30 minutes)."""
+    job = spawn(SPAWN, 2, image_data, *FAST, "--dist-url", url, "--output-dir", tmp_path).finish(60)
+    assert_one_clear_line(job, rf"--dist-url {re.escape(url)}: {expected}")
+
+
 def test_spawn_node_that_never_joins_ends_the_job_within_the_timeout(image_data, tmp_path):
     url = f"tcp://127.0.0.1:{free_port()}"
     job = spawn(SPAWN, 2, image_data, *FAST, "--world-size", "2", "--node-rank", "0", "--dist-url", url,

@@ -302,12 +302,15 @@ def test_half_set_slurm_variables_are_one_clear_error(image_data, tmp_path):
         "the script with srun, or unset the SLURM_* variables to run one process"), job.output
 
 
+# the variables srun gives the first of a job's two tasks
+A_TASK = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+          "SLURM_NODEID": "0"}
+
+
 @pytest.mark.parametrize("wrong", [{"SLURM_PROCID": "2"}, {"SLURM_LOCALID": "-1"}, {"SLURM_NTASKS": "two"}])
 def test_slurm_variables_that_are_no_numbers_that_fit_are_one_clear_line(wrong, image_data, tmp_path):
     """A whole task's variables with a rank past the job's tasks, or not numbers: set by hand or by a wrapper."""
-    task = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-            "SLURM_NODEID": "0", **wrong}
-    job = python(SCRIPT, image_data, "--epochs", "1", "--output-dir", tmp_path, env=task).finish(60)
+    job = python(SCRIPT, image_data, "--epochs", "1", "--output-dir", tmp_path, env={**A_TASK, **wrong}).finish(60)
     name, value = next(iter(wrong.items()))
     assert job.returncode == 2 and re.match(
         rf"error: Slurm's variables are not numbers that fit together \(.*{name}='{value}'.*\): start the script "
@@ -316,9 +319,16 @@ def test_slurm_variables_that_are_no_numbers_that_fit_are_one_clear_line(wrong, 
 
 def test_slurm_variables_left_from_another_job_are_one_clear_line(image_data, tmp_path):
     """A whole task's variables, in a shell that outlived its job (a tmux started inside it, an exported copy)."""
-    left = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-            "SLURM_NODEID": "0", "SLURM_TASK_PID": "999999999"}
+    left = {**A_TASK, "SLURM_TASK_PID": "999999999"}
     job = python(SCRIPT, image_data, "--epochs", "1", "--output-dir", tmp_path, env=left).finish(60)
     assert job.returncode == 2 and job.output.startswith(
         "error: the SLURM_* variables are job 41's, whose task 999999999 is not this process or a parent of it: start "
         "the script with srun"), job.output
+
+
+def test_a_master_addr_that_does_not_resolve_is_one_clear_line_at_once(image_data, tmp_path):
+    """Not a wait for the peers until --dist-timeout (30 minutes by default)."""
+    env = {**A_TASK, "MASTER_ADDR": "no.such.host.invalid"}
+    job = python(SCRIPT, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path, env=env).finish(60)
+    assert job.returncode == 2 and re.search(r"^error: MASTER_ADDR=no.such.host.invalid does not resolve \(.*\): "
+                                             r"give the address of the node of rank 0$", job.output, re.M), job.output
