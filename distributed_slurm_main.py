@@ -157,13 +157,7 @@ SLURM_VARS = ("SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "
 def slurm_task():
     """(procid, ntasks, localid, nodeid) of this srun task; a job of one task when srun did not start it."""
     env, present = os.environ, [v for v in SLURM_VARS if v in os.environ]
-    numbers = [v for v in (*SLURM_VARS, "SLURM_NNODES", "SLURM_TASK_PID", "SLURM_RESTART_COUNT", "MASTER_PORT")
-               if v in env]
-    if not (all(env[v].isdigit() for v in numbers) and int(env.get("SLURM_PROCID", 0)) < int(env.get("SLURM_NTASKS", 1))
-            and int(env.get("MASTER_PORT", 1)) < 2**16):
-        shown = ", ".join(f"{v}={env[v]!r}" for v in numbers)
-        raise RankError(f"Slurm's variables are not numbers that fit together ({shown}): start the script with srun, "
-                        f"or unset the SLURM_* variables to run one process")
+    check_slurm_numbers()  # [safety]
     if "SLURM_STEP_ID" not in env and "SLURM_JOB_ID" in env:  # the batch script (or salloc shell) itself
         if int(env.get("SLURM_NTASKS", 1)) > 1:
             raise UserError(f"this is the batch script of a job of {env['SLURM_NTASKS']} tasks, not one of the "
@@ -1686,6 +1680,18 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_slurm_numbers():
+    """Slurm's variables set by hand or by a wrapper: not numbers, or a task past the job's tasks."""
+    env = os.environ
+    numbers = [v for v in (*SLURM_VARS, "SLURM_NNODES", "SLURM_TASK_PID", "SLURM_RESTART_COUNT", "MASTER_PORT")
+               if v in env]
+    if not (all(env[v].isdigit() for v in numbers) and int(env.get("SLURM_PROCID", 0)) < int(env.get("SLURM_NTASKS", 1))
+            and int(env.get("MASTER_PORT", 1)) < 2**16):
+        shown = ", ".join(f"{v}={env[v]!r}" for v in numbers)
+        raise RankError(f"Slurm's variables are not numbers that fit together ({shown}): start the script with srun, "
+                        f"or unset the SLURM_* variables to run one process")
 
 
 def check_launch_args(args, world_size, device):

@@ -1749,12 +1749,12 @@ def check_launch_args(args, world_size, device):
                         f"{os.path.join(args.export, 'full.pth.tar')}")
     if args.export and not os.path.isdir(folder) and folder != os.path.abspath(args.output_dir):  # made later
         raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
-    try:  # a folder read-only, or another user's: found now, not when the training ends
-        if args.export and os.path.isdir(folder):
+    if args.export and os.path.isdir(folder):
+        try:  # read-only, or another user's: found now, not when the training ends
             tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise UserError(f"--export {args.export}: {folder} cannot be written ({e.strerror}); give another "
-                        f"path") from None
+        except OSError as e:
+            raise UserError(f"--export {args.export}: {folder} cannot be written ({e.strerror}); give another "
+                            f"path") from None
 
 
 def check_run(args, world_size, device, sets):
