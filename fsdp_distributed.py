@@ -574,6 +574,9 @@ def main_worker(args, local_index=None):
                 f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
         return None
 
+    if run.epoch >= args.epochs:  # [safety]
+        log(f"nothing to train: the checkpoint has trained {run.epoch} epochs, --epochs is "  # [safety]
+            f"{args.epochs}; give more --epochs to train on")  # [safety]
     writer = open_writer(args, rank, run.epoch)  # [logs]
     while run.epoch < args.epochs:
         epoch, started = run.epoch, time.time()
@@ -1757,14 +1760,19 @@ def check_launch_args(args, world_size, device):
                             f"path") from None
 
 
-def check_run(args, world_size, device, sets):
-    """The rest of bad input, before the loaders start: the batch, the launcher's flags, the data."""
+def check_batch(args, world_size):
+    """The global batch over `world_size` processes, and each process's over --grad-accum-steps."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
     if args.batch_size // world_size % args.grad_accum_steps:
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
+
+
+def check_run(args, world_size, device, sets):
+    """The rest of bad input, before the loaders start: the batch, the launcher's flags, the data."""
+    check_batch(args, world_size)
     check_launch_args(args, world_size, device)
     backend = getattr(args, "dist_backend", None) or ""  # (Horovod and DataParallel have no such flag)
     for name in [part.split(":")[-1] for part in backend.split(",") if part]:

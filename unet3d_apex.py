@@ -340,6 +340,9 @@ def main_worker(args, local_index=None):
             f"true {val['true']}, union {val['union']}, volumes {val['volumes']})")
         return None
 
+    if run.epoch >= args.epochs:  # [safety]
+        log(f"nothing to train: the checkpoint has trained {run.epoch} epochs, --epochs is "  # [safety]
+            f"{args.epochs}; give more --epochs to train on")  # [safety]
     writer = open_writer(args, rank, run.epoch)  # [logs]
     while run.epoch < args.epochs:
         epoch, started = run.epoch, time.time()

@@ -37,7 +37,7 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
             "set_tf32", "compile_model", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
-SAFETY = ["check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS", "add_foreign_flags",
+SAFETY = ["check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS", "add_foreign_flags", "check_batch",
           "check_run", "check_datasets", "check_model", "check_fit", "check_shared_gpus", "explain_failed_save",
           "explain_unreadable", "explain_damaged", "check_same_checkpoint", "check_items", "check_finite", "PEER_GONE",
           "explain_failure",
@@ -73,7 +73,8 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "d
                "fsdp_distributed.py": {"ddp_buffer_options"},
                "multiprocessing_distributed.py": TORCHRUN_CHECKS,
                "distributed_slurm_main.py": TORCHRUN_CHECKS,
-               "unet3d_apex.py": {"check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
+               "unet3d_apex.py": {"check_batch",
+                                  "check_fit", "load_spec", "call_spec", "class_count", "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups",
                                   "load_pretrained",
                                   "lr_factor", "warmup_or_cosine", "clip_gradients", "ModelEMA", "set_tf32",

@@ -310,6 +310,13 @@ def test_spawn_dist_url_that_cannot_be_met_at_is_one_clear_line(url, expected, i
     assert_one_clear_line(job, rf"--dist-url {re.escape(url)}: {expected}")
 
 
+def test_spawn_batch_that_does_not_divide_is_refused_before_a_process_starts(image_data, tmp_path):
+    """Checked in the parent: 256 workers, each importing torch to find the same, took minutes on 2 cores."""
+    job = spawn(SPAWN, 256, image_data, *FAST, "--output-dir", tmp_path).finish(30)
+    assert_one_clear_line(job, r"--batch-size 16 is the global batch and must divide by the world size 256: use e\.g\. "
+                               r"256$")
+
+
 def test_spawn_node_that_never_joins_ends_the_job_within_the_timeout(image_data, tmp_path):
     url = f"tcp://127.0.0.1:{free_port()}"
     job = spawn(SPAWN, 2, image_data, *FAST, "--world-size", "2", "--node-rank", "0", "--dist-url", url,
