@@ -2038,6 +2038,11 @@ def explain_failure(error, args):
         return RankError(f"{what} {ended}: if the out-of-memory killer ended it (dmesg says so), use fewer "
                          f"-j/--workers or give the job more memory; otherwise -j 0 shows the error in the training "
                          f"process")
+    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in text:  # the GPU's, the CPU's
+        sizes = [part.split(": ")[-1] for part in lines[-1].split(". ") if "to allocate" in part or " is free" in part]
+        accumulate = " (--grad-accum-steps K: the same global batch in K passes)" * hasattr(args, "grad_accum_steps")
+        return RankError(f"out of memory on this rank ({'; '.join(sizes)[:160]}): use a smaller -b/--batch-size"
+                         + accumulate)
     if "Expected to have finished reduction in the prior iteration" in text:  # DDP's words
         return UserError("the model has parameters that get no gradient in a training step, and DDP waits for every "
                          "one: make the loss use them, drop them from the model, or freeze them (requires_grad=False)")

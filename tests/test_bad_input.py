@@ -2,13 +2,14 @@
 import re
 import shutil
 import socket
+import sys
 
 import pytest
 import torch
 import torchvision
 from PIL import Image
 
-from conftest import FAST, OUTPUT_FILES, error_lines, free_port, load, ok, python, spawn, torchrun
+from conftest import FAST, OUTPUT_FILES, ROOT, Job, error_lines, free_port, load, ok, python, spawn, torchrun
 
 SCRIPT = "distributed.py"
 
@@ -308,6 +309,15 @@ def test_spawn_dist_url_that_cannot_be_met_at_is_one_clear_line(url, expected, i
     """A port past 65535 was a traceback; a host that does not resolve, a wait until --dist-timeout (30 minutes)."""
     job = spawn(SPAWN, 2, image_data, *FAST, "--dist-url", url, "--output-dir", tmp_path).finish(60)
     assert_one_clear_line(job, rf"--dist-url {re.escape(url)}: {expected}")
+
+
+def test_a_batch_that_does_not_fit_in_memory_is_one_line_naming_the_size(tmp_path):
+    """Out of memory was a traceback. Here the CPU's: --benchmark's batch of 100000 images of 224 px (60 GB, refused
+    by the address-space limit that prlimit sets, whatever the machine's memory); the GPU's: tests/gpu."""
+    job = Job(["prlimit", f"--as={32 << 30}", sys.executable, ROOT / SCRIPT, "--dummy", "--dummy-size", "100000",
+               "--benchmark", "1", "-b", "100000", "-j", "0", "--output-dir", tmp_path]).finish(120)
+    assert_one_clear_line(job, r"^error: out of memory on this rank \(you tried to allocate 60211200000 bytes\): use a "
+                               r"smaller -b/--batch-size \(--grad-accum-steps K: the same global batch in K passes\)$")
 
 
 def test_spawn_batch_that_does_not_divide_is_refused_before_a_process_starts(image_data, tmp_path):

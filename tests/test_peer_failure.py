@@ -244,7 +244,16 @@ MESSAGES = [
     (RuntimeError("DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"),
      r"a data loader worker \(pid 4242, 4243\) exited unexpectedly: if the out-of-memory killer ended it \(dmesg says "
      r"so\), use fewer -j/--workers or give the job more memory; otherwise -j 0 shows the error in the training"),
-    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), None),
+    # out of memory: the GPU's (its size and what was free), the CPU's (an allocation the kernel refused)
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+                            "of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.1 GiB memory "
+                            "in use. See documentation for Memory Management"),
+     r"out of memory on this rank \(Tried to allocate 2.00 GiB; GPU 0 has a total capacity of 79.19 GiB of which "
+     r"1.06 GiB is free\): use a smaller -b/--batch-size \(--grad-accum-steps K: the same global batch in K passes\)$"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 60211200000 bytes. Error code 12 (Cannot allocate memory)"),
+     r"out of memory on this rank \(you tried to allocate 60211200000 bytes\): use a smaller -b/--batch-size"),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), None),  # no memory to free: a bug
     (HorovodInternalError("Mismatched allreduce tensor shapes: One rank sent a tensor of rank 2, but another rank "
                           "sent a tensor of rank 1."), None),  # its class alone says no peer ended
     (ValueError("a bug, Connection closed by peer"), None),

@@ -10,7 +10,7 @@ import torchvision
 from conftest import EPOCHS, FAST, ok, python
 
 from .harness import (APEX, CUDA_ONLY, DATAPARALLEL, DEVICE, DISTRIBUTED, FP16, GPUS, HALF, HOROVOD, ON_CPU, SLURM,
-                      SPAWN, assert_trains, checkpoint_of, horovod_missing, launch)
+                      SPAWN, assert_trains, checkpoint_of, cuda_only, horovod_missing, launch)
 
 LOOP = ["--grad-accum-steps", "2", "--clip-grad-norm", "1", "--label-smoothing", "0.1", "--model-ema",
         "--model-ema-decay", "0.9"]
@@ -55,3 +55,17 @@ def test_profile_on_the_gpu_traces_its_kernels_and_its_parts_add_up(image_data, 
 def test_dataparallel_refuses_compile_over_several_gpus_in_one_line(image_data, tmp_path):
     job = python(DATAPARALLEL, image_data, *FAST, "--compile", "--gpus", "0,1", "--output-dir", tmp_path).finish(120)
     assert job.returncode == 2 and "error: --compile does not work with DataParallel over 2 GPUs" in job.output
+
+
+@cuda_only
+@pytest.mark.parametrize("script", [DISTRIBUTED, DATAPARALLEL])
+def test_a_batch_too_large_for_the_gpu_is_one_line_naming_the_sizes(script, tmp_path):
+    """A real CUDA out-of-memory in the training step (resnet50's activations for 8192 images of 224 px take hundreds
+    of GiB): one line from the rank, with the size asked for and the GPU's free memory, not a traceback. DataParallel:
+    the error comes back from a replica's thread, wrapped in its traceback."""
+    job = launch(script, "--dummy", "--dummy-size", 8192, "--benchmark", 1, "-b", 8192, "-a", "resnet50",
+                 "--output-dir", tmp_path).finish(300)
+    line = (r"^error: out of memory on this rank \(Tried to allocate [\d.]+ [GM]iB; GPU 0 has a total capacity of "
+            r"[\d.]+ GiB of which .* is free\): use a smaller -b/--batch-size")
+    assert re.search(line, job.output, re.M), job.output
+    assert job.returncode != 0 and "Traceback" not in job.output, job.output
