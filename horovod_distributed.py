@@ -126,7 +126,7 @@ def parse_args(argv=None):
     add("--benchmark", type=in_range(int, 0), default=0, metavar="N",  # [benchmark]
         help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
     add("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the all-reduce")
-    add("--dist-timeout", type=in_range(float, 1), default=1800,
+    add("--dist-timeout", type=in_range(float, 1, below=10**9), default=1800,
         help="seconds a collective may wait for a peer (HOROVOD_GLOO_TIMEOUT_SECONDS, Horovod's default: 30)")
     add_foreign_flags(p)  # [safety]
     args = p.parse_args(argv)

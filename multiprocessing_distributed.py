@@ -131,7 +131,8 @@ def parse_args(argv=None):
     add("--benchmark", type=in_range(int, 0), default=0, metavar="N",  # [benchmark]
         help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=in_range(float, 1), default=1800, help="seconds a collective may wait for a peer")
+    add("--dist-timeout", type=in_range(float, 1, below=10**9), default=1800,
+        help="seconds a collective may wait for a peer")
     add("--dist-url", default=None, metavar="tcp://HOST:PORT",
         help="rendezvous on node 0 (default: a free local port; needed with --world-size > 1)")
     add("--world-size", type=in_range(int, 1), default=1, help="number of nodes")

@@ -118,7 +118,8 @@ def parse_args(argv=None):
     add("--deterministic", action="store_true", help="use deterministic algorithms where they exist (slower)")
     add("-p", "--print-freq", type=in_range(int, 1), default=10, help="steps between progress lines")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=in_range(float, 1), default=1800, help="seconds a collective may wait for a peer")
+    add("--dist-timeout", type=in_range(float, 1, below=10**9), default=1800,
+        help="seconds a collective may wait for a peer")
     add("--local-rank", "--local_rank", type=in_range(int, 0), help=argparse.SUPPRESS)  # torch.distributed.launch's
     add_foreign_flags(p)  # [safety]
     args = p.parse_args(argv)

@@ -106,9 +106,11 @@ def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninte
     job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
     assert "resumed from" in job.output and "(epoch 1, step 0)" in job.output
     assert_same_run(tmp_path, uninterrupted)
-    # the same command once more: the run is over, and it says so (a requeued job that finished ends with 0)
+    # the same command once more: the run is over, and it says so (a requeued job that finished ends with 0); with the
+    # largest --dist-timeout, which the rendezvous and the process group take (10**9 s: a C int overflowed past that)
     saved = (tmp_path / "checkpoint.pth.tar").read_bytes()
-    job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
+    job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path,
+                      "--dist-timeout", "999999999.9"))
     assert f"nothing to train: the checkpoint has trained {EPOCHS} epochs, --epochs is {EPOCHS};" in job.output
     assert (tmp_path / "checkpoint.pth.tar").read_bytes() == saved
 
