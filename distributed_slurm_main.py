@@ -135,8 +135,7 @@ def parse_args(argv=None):
     add("--benchmark", type=in_range(int, 0), default=0, metavar="N",  # [benchmark]
         help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=in_range(float, 1, below=10**9), default=1800,
-        help="seconds a collective may wait for a peer")
+    add("--dist-timeout", type=in_range(float, 1, below=1e9), default=1800, help="seconds a collective waits on a peer")
     add("--procs-per-node", type=in_range(int, 0), default=0, metavar="N",
         help="one Slurm task per node starts N processes, one per GPU (0: srun starts every process)")
     add("--dist-file", default=None, metavar="PATH",
@@ -309,6 +308,16 @@ def rendezvous(args):
     return f"tcp://{host}:{port}"
 
 
+def remove_rendezvous_file(args):
+    """At a clean end, --dist-file's file goes: rank 0 deletes it between two barriers (no process touches it then).
+    torch's store deletes it as the last process lets go, but two that let go at once can both miss being last."""
+    if args.dist_file and dist.is_initialized():
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.remove(rendezvous(args).removeprefix("file://"))
+        dist.barrier()
+
+
 def start_process_group(args, rank, world_size, device, log):
     """Starts the process group (none for one process); returns the CPU group for preemption, or None."""
     if world_size == 1:
@@ -461,6 +470,7 @@ def run(local_index, args):
         code = main_worker(args, local_index)
         if code == PREEMPTED:  # [preemption]
             requeue(Preemption.signum)  # [preemption]
+        remove_rendezvous_file(args)
         sys.exit(code)
     except UserError as e:  # one line per node: each node may see its own problem
         exit_bad_input(e, reporter=reporter)
@@ -1872,9 +1882,17 @@ def check_model(args, num_classes=1000, example=None):
     raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
 
 
+def check_evaluated(path, args):
+    """-e --resume auto where --output-dir holds no checkpoint: it would evaluate the model's random initial weights."""
+    if args.evaluate and args.resume == "auto" and not path:
+        raise UserError(f"-e --resume auto: --output-dir {args.output_dir} holds no checkpoint to evaluate; give the "
+                        f"--output-dir of the run, or --resume PATH")
+
+
 def check_fit(path, ckpt, sets, args):
     """Refuses, in one line that names both sides, a model that does not fit the data (check_model) and a checkpoint
     that does not fit the command line: its model first (it says which -a to give), dropout, weights, classes."""
+    check_evaluated(path, args)
     arch = ckpt and ckpt.get("arch", args.arch)
     if ckpt and arch not in MODEL_NAMES and ":" not in str(arch):
         raise UserError(f"{path} holds a {arch} model, not a torchvision classification model: it is another "

@@ -142,8 +142,7 @@ def parse_args(argv=None):
     add("--benchmark", type=in_range(int, 0), default=0, metavar="N",  # [benchmark]
         help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=in_range(float, 1, below=10**9), default=1800,
-        help="seconds a collective may wait for a peer")
+    add("--dist-timeout", type=in_range(float, 1, below=1e9), default=1800, help="seconds a collective waits on a peer")
     add("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
         help="free each block's gathered weights after its forward and gather them again for backward (ZeRO-3); "
              "--no-reshard-after-forward keeps them until backward (ZeRO-2: more memory, fewer all-gathers)")
@@ -1930,9 +1929,17 @@ def check_model(args, num_classes=1000, example=None):
     raise UserError(f"--arch {args.arch} does not train at --crop-size {args.crop_size} ({reason}); {fits} works")
 
 
+def check_evaluated(path, args):
+    """-e --resume auto where --output-dir holds no checkpoint: it would evaluate the model's random initial weights."""
+    if args.evaluate and args.resume == "auto" and not path:
+        raise UserError(f"-e --resume auto: --output-dir {args.output_dir} holds no checkpoint to evaluate; give the "
+                        f"--output-dir of the run, or --resume PATH")
+
+
 def check_fit(path, ckpt, sets, args):
     """Refuses, in one line that names both sides, a model that does not fit the data (check_model) and a checkpoint
     that does not fit the command line: its model first (it says which -a to give), dropout, weights, classes."""
+    check_evaluated(path, args)
     arch = ckpt and ckpt.get("arch", args.arch)
     if ckpt and arch not in MODEL_NAMES and ":" not in str(arch):
         raise UserError(f"{path} holds a {arch} model, not a torchvision classification model: it is another "

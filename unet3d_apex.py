@@ -118,8 +118,7 @@ def parse_args(argv=None):
     add("--deterministic", action="store_true", help="use deterministic algorithms where they exist (slower)")
     add("-p", "--print-freq", type=in_range(int, 1), default=10, help="steps between progress lines")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=in_range(float, 1, below=10**9), default=1800,
-        help="seconds a collective may wait for a peer")
+    add("--dist-timeout", type=in_range(float, 1, below=1e9), default=1800, help="seconds a collective waits on a peer")
     add("--local-rank", "--local_rank", type=in_range(int, 0), help=argparse.SUPPRESS)  # torch.distributed.launch's
     add_foreign_flags(p)  # [safety]
     args = p.parse_args(argv)
@@ -307,6 +306,7 @@ def main_worker(args, local_index=None):
     config = model_config(args, train_set.channels)
     ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path, config, args) if ckpt_path else None
+    check_evaluated(ckpt_path, args)  # [safety]
     claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed)
     model = UNet3D(**config)  # the same initial weights on every rank
@@ -1231,6 +1231,13 @@ def check_run(args, world_size, device, sets, rank):
     for dataset in sets:
         if isinstance(dataset, VolumeFolder):
             dataset.check_labels(rank, world_size)
+
+
+def check_evaluated(path, args):
+    """-e --resume auto where --output-dir holds no checkpoint: it would evaluate the model's random initial weights."""
+    if args.evaluate and args.resume == "auto" and not path:
+        raise UserError(f"-e --resume auto: --output-dir {args.output_dir} holds no checkpoint to evaluate; give the "
+                        f"--output-dir of the run, or --resume PATH")
 
 
 def check_shared_gpus(store, world_size, device, backend):

@@ -111,6 +111,9 @@ CASES = {
                                    r"192 training samples are fewer than one global batch of 512: lower -b"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
                             r"--resume .*none.pth.tar: no such file"),
+    "-e --resume auto with no checkpoint": (2, lambda d, t: [d, "-e", "--resume", "auto"],
+                                            r"-e --resume auto: --output-dir .*out holds no checkpoint to evaluate; "
+                                            r"give the --output-dir of the run, or --resume PATH$"),
     "resume path a folder": (1, lambda d, t: [d, "--resume", t],
                              r"cannot load checkpoint .*: it is a folder, not a checkpoint file; give a file that a "
                              r"run saved, or move the folder away to start fresh"),

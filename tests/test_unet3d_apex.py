@@ -207,6 +207,8 @@ def optional_library_case(module, ext):
 CASES = {
     "--synthetic and a data folder": (1, lambda d, t: [d, "--synthetic"],
                                       r"--synthetic makes its own volumes, and .* names a folder: give one of them"),
+    "-e --resume auto with no checkpoint": (1, lambda d, t: [d, "-e", "--resume", "auto"],
+                                            r"-e --resume auto: --output-dir .* holds no checkpoint to evaluate"),
     "missing data folder": (1, lambda d, t: [t / "nowhere"],
                             r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val labels folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val" / "labels"))],
