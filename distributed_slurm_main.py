@@ -309,13 +309,15 @@ def rendezvous(args):
 
 
 def remove_rendezvous_file(args):
-    """At a clean end, --dist-file's file goes: rank 0 deletes it between two barriers (no process touches it then).
-    torch's store deletes it as the last process lets go, but two that let go at once can both miss being last."""
+    """At a clean end, --dist-file's file goes: rank 0 deletes it between two barriers (no process touches it then;
+    a peer killed meanwhile fails them, and the file stays). torch's store deletes it as the last process lets go,
+    but two that let go at once can both miss being last."""
     if args.dist_file and dist.is_initialized():
-        dist.barrier()
-        if dist.get_rank() == 0:
-            os.remove(rendezvous(args).removeprefix("file://"))
-        dist.barrier()
+        with contextlib.suppress(RuntimeError):
+            dist.barrier()
+            if dist.get_rank() == 0:
+                os.remove(rendezvous(args).removeprefix("file://"))
+            dist.barrier()
 
 
 def start_process_group(args, rank, world_size, device, log):
