@@ -61,8 +61,8 @@ def test_dataparallel_refuses_compile_over_several_gpus_in_one_line(image_data, 
 @pytest.mark.parametrize("script", [DISTRIBUTED, DATAPARALLEL])
 def test_a_batch_too_large_for_the_gpu_is_one_line_naming_the_sizes(script, tmp_path):
     """A real CUDA out-of-memory in the training step (resnet50's activations for 8192 images of 224 px take hundreds
-    of GiB): one line from the rank, with the size asked for and the GPU's free memory, not a traceback. DataParallel:
-    the error comes back from a replica's thread, wrapped in its traceback."""
+    of GiB): one line from the rank, with the size asked for and the GPU's free memory, not a traceback; under torchrun
+    and under DataParallel (one process, here on one GPU)."""
     job = launch(script, "--dummy", "--dummy-size", 8192, "--benchmark", 1, "-b", 8192, "-a", "resnet50",
                  "--output-dir", tmp_path).finish(300)
     line = (r"^error: out of memory on this rank \(Tried to allocate [\d.]+ [GM]iB; GPU 0 has a total capacity of "
