@@ -92,7 +92,7 @@ def parse_args(argv=None):
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")  # [pretrained]
     add("--dropout", type=in_range(float, 0, below=1), default=None, help="for models that take one (0: off)")
     add("--num-classes", type=in_range(int, 1), default=None, metavar="N", help="default: the train set's")
-    add("-j", "--workers", type=in_range(int, 0), default=4, help="data loading processes per training process")
+    add("-j", "--workers", type=in_range(int, 0, below=256), default=4, help="loader processes per training process")
     add("--epochs", type=in_range(int, 0), default=90)
     add("-b", "--batch-size", type=in_range(int, 1), default=256, help="global batch, divided over the processes")
     add("--opt", choices=("sgd", "adamw"), default="sgd", help="SGD with momentum, or AdamW")
@@ -1933,7 +1933,12 @@ def explain_unreadable(read_checkpoint):
             if isinstance(e, IsADirectoryError):  # a folder given for a file: nothing in it is damaged
                 raise UserError(f"cannot load checkpoint {path}: it is a folder, not a checkpoint file; give a file "
                                 f"that a run saved, or move the folder away to start fresh") from None
-            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            text = str(e).split("WeightsUnpickler error:")[-1].strip()  # torch.load(weights_only=True): after it, why
+            if text.startswith("Unsupported global: GLOBAL "):  # a pickled object: torch.save(model), say
+                raise UserError(f"cannot load checkpoint {path}: it holds a pickled {text.split()[3]}, and checkpoints "
+                                f"load as tensors only (weights_only, safe from code in the file); save its weights, "
+                                f"torch.save(model.state_dict(), PATH), and evaluate those with -e") from None
+            reason = text.splitlines()[0][:160] if text else type(e).__name__
             raise UserError(f"cannot load checkpoint {path} ({reason}): it is unreadable or truncated; resume from "
                             f"another file (e.g. model_best.pth.tar) or move it away to start fresh") from None
     return read
@@ -2005,6 +2010,9 @@ def explain_failure(error, args):
     DataLoader worker killed, NCCL failing here; any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
+    if "Too many open files" in str(error):  # an OSError's (EMFILE), or the DataLoader's on receiving a batch
+        return RankError("this process has reached its limit of open files (ulimit -n): raise it where the job starts "
+                         "(ulimit -n 65536), or use fewer -j/--workers")
     written = os.path.abspath(str(getattr(error, "filename", None) or "/"))  # a file of this run's output?
     if isinstance(error, OSError) and written.startswith(os.path.abspath(getattr(args, "output_dir", "/")) + os.sep):
         return RankError(f"cannot write {error.filename} ({error.strerror}): give --output-dir a folder where this "

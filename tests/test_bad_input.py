@@ -31,6 +31,13 @@ def checkpoint(tmp_path, truncate=False, num_classes=4, drop=(), **content):
     return path
 
 
+def pickled_model(tmp_path):
+    """A whole model saved with torch.save(model), as people do: its classes, not only tensors."""
+    path = tmp_path / "model.pth"
+    torch.save(torchvision.models.resnet18(num_classes=4), path)
+    return path
+
+
 def broken_checkpoint(tmp_path, make):
     """--resume auto in an --output-dir whose checkpoint make(path) left there: it must stop the run, never
     start it afresh over the training the checkpoint stands for."""
@@ -135,6 +142,10 @@ CASES = {
     "LOCAL_RANK without RANK": (1, lambda d, t: [d], r"LOCAL_RANK set but not RANK, WORLD_SIZE, MASTER_ADDR, "
                                                     r"MASTER_PORT: start the script with torchrun",
                                 {"LOCAL_RANK": "1"}),
+    "resume from a pickled model": (1, lambda d, t: [d, "--resume", pickled_model(t)],
+                                    r"cannot load checkpoint .*model.pth: it holds a pickled torchvision.models.resnet"
+                                    r".ResNet, and checkpoints load as tensors only .*torch.save\(model.state_dict"
+                                    r"\(\), PATH\), and evaluate those with -e$"),
     "resume checkpoint of other classes": (1, lambda d, t: [d, "--resume", checkpoint(t, num_classes=10)],
                                            r"ckpt.pth.tar has 10 classes, .*imagefolder0 has 4: resume with the data "
                                            r"it was trained on, or train without --resume"),
@@ -321,6 +332,17 @@ def test_a_batch_that_does_not_fit_in_memory_is_one_line_naming_the_size(tmp_pat
                "--benchmark", "1", "-b", "100000", "-j", "0", "--output-dir", tmp_path]).finish(120)
     assert_one_clear_line(job, r"^error: out of memory on this rank \(you tried to allocate 60211200000 bytes\): use a "
                                r"smaller -b/--batch-size \(--grad-accum-steps K: the same global batch in K passes\)$")
+
+
+def test_a_limit_on_open_files_too_low_for_the_loader_workers_is_one_line(image_data, tmp_path):
+    """Each loader worker holds pipes, and a batch crosses as file descriptors: under a low `ulimit -n` a fork, or
+    a batch, failed in a traceback. torch's own threads and finalizers may still print theirs; the script none."""
+    job = Job(["prlimit", "--nofile=24", sys.executable, ROOT / SCRIPT, image_data, *FAST, "-j", "2", "--epochs", "1",
+               "--output-dir", tmp_path]).finish(120)
+    assert_one_clear_line(job, r"^error: this process has reached its limit of open files \(ulimit -n\): raise it "
+                               r"where the job starts \(ulimit -n 65536\), or use fewer -j/--workers$",
+                          launcher_reports=True)  # (the rest checked here: torch's tracebacks allowed)
+    assert job.returncode == 2 and f'File "{ROOT / SCRIPT}"' not in job.output, job.output
 
 
 def test_spawn_batch_that_does_not_divide_is_refused_before_a_process_starts(image_data, tmp_path):
