@@ -40,11 +40,11 @@ import contextlib
 import copy  # [ema]
 import ctypes  # [preemption]
 import datetime
+import functools
 import gc
 import fcntl  # [safety]
-import importlib  # [spec]
-import functools
 import glob
+import importlib  # [spec]
 import itertools
 import json  # [logs]
 import math
@@ -276,9 +276,6 @@ def describe_processes(args, world_size, device, group):
             f"global batch {args.batch_size} = {world_size} x {args.batch_size // world_size}")
 
 
-BATCHNORM = torch.nn.modules.batchnorm._BatchNorm
-
-
 def prepare_model(model, args, device, log):
     """The model sharded over the processes (FSDP2): each block (blocks) is a group of its own, whose weights are
     all-gathered just before its forward and its backward and freed after, and whose gradients are
@@ -293,10 +290,10 @@ def prepare_model(model, args, device, log):
     half = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
     policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
-    if half:  # BatchNorm in fp32 (its statistics need the precision), each a group of its own, as FSDP1 kept it
-        for norm in [m for m in model.modules() if isinstance(m, BATCHNORM)]:
-            shard(norm, mp_policy=MixedPrecisionPolicy(output_dtype=half))
-    groups = [block for block in blocks(model) if not (half and isinstance(block, BATCHNORM))]  # grouped above
+    norms = [m for m in model.modules() if half and isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for norm in norms:  # with --amp, BatchNorm in fp32 (its statistics need the precision), as FSDP1 kept it
+        shard(norm, mp_policy=MixedPrecisionPolicy(output_dtype=half))
+    groups = [block for block in blocks(model) if block not in norms]  # each norm a group already
     for block in groups:  # bottom-up: a parameter belongs to the innermost group that holds it
         shard(block, mp_policy=policy)
     shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32,
