@@ -1246,11 +1246,12 @@ def die_with_parent(signum):
 
 
 def print_or_drop(*values):
-    """Rank 0's log: print, flushed. When whoever read the output is gone (a launcher killed with -9), the rest
-    goes to /dev/null, instead of a BrokenPipeError that would end the run before its preemption checkpoint."""
+    """Rank 0's log: print, flushed. When the output cannot take it (whoever read it is gone, a launcher killed with
+    -9; the log file's disk is full), the rest goes to /dev/null, instead of an error that would end the run before
+    its next checkpoint (a disk full for that too says so, in one line, on stderr)."""
     try:
         print(*values, flush=True)
-    except BrokenPipeError:
+    except OSError:  # BrokenPipeError, or ENOSPC, EIO
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 # endregion [preemption]
 # region [tf32]: --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
+from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, TORCHRUN_CMD, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok,
                       python, slow_start, spawn, started, threads_started, torchrun)
 from test_bad_input import assert_one_clear_line
@@ -133,6 +133,15 @@ def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image
                           "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, uninterrupted)
+
+
+def test_a_log_that_cannot_be_written_any_more_leaves_the_run_training(image_data, tmp_path):
+    """`torchrun ... > train.log` on a disk that fills up (here /dev/full, which takes no byte): rank 0's first log
+    line was an OSError that ended the run; its log now goes to /dev/null, and the run trains and checkpoints in
+    --output-dir, which has room (where it has none, that says so: test_bad_input.py)."""
+    ok(Job(["bash", "-c", 'exec "$@" > /dev/full', "bash", *TORCHRUN_CMD, "--standalone", "--nproc_per_node=2",
+            ROOT / SCRIPT, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "1", "--output-dir", tmp_path]))
+    assert load(tmp_path / "checkpoint.pth.tar")["epoch"] == 1 and len(metrics(tmp_path)) == 1
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
