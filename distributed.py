@@ -1914,6 +1914,10 @@ def explain_failure(error, args):
     if "Too many open files" in str(error):  # an OSError's (EMFILE), or the DataLoader's on receiving a batch
         return RankError("this process has reached its limit of open files (ulimit -n): raise it where the job starts "
                          "(ulimit -n 65536), or use fewer -j/--workers")
+    if "Expected more than 1 value per channel when training" in str(error):  # BatchNorm's, on every rank alike
+        got = str(error).split("got ")[-1]
+        return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "
+                         f"process's (micro-)batch 2 or more samples (a larger -b/--batch-size), or larger inputs")
     written = os.path.abspath(str(getattr(error, "filename", None) or "/"))  # a file of this run's output?
     if isinstance(error, OSError) and written.startswith(os.path.abspath(getattr(args, "output_dir", "/")) + os.sep):
         return RankError(f"cannot write {error.filename} ({error.strerror}): give --output-dir a folder where this "

@@ -114,6 +114,10 @@ CASES = {
     "grad accumulation steps that do not divide a process's batch": (
         2, lambda d, t: [d, "-b", "16", "--grad-accum-steps", "3"],
         r"--grad-accum-steps 3 must divide each process's batch 8 \(-b 16 / 2 processes\)"),
+    "a micro-batch of one for BatchNorm, on two ranks": (
+        2, lambda d, t: [d, "-b", "4", "--grad-accum-steps", "2"],
+        r"a BatchNorm layer got one value per channel in a training step \(input size torch.Size\(\[1, 512, 1, 1\]\)"
+        r"\): give each process's \(micro-\)batch 2 or more samples \(a larger -b/--batch-size\), or larger inputs$"),
     "batch larger than the data": (1, lambda d, t: [d, "-b", "512"],
                                    r"192 training samples are fewer than one global batch of 512: lower -b"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
