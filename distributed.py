@@ -90,7 +90,7 @@ def parse_args(argv=None):
         help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")  # [pretrained]
     add("--dropout", type=in_range(float, 0, below=1), default=None, help="for models that take one (0: off)")
-    add("--num-classes", type=in_range(int, 1), default=None, metavar="N", help="default: the train set's")
+    add("--num-classes", type=in_range(int, 2), default=None, metavar="N", help="default: the train set's")
     add("-j", "--workers", type=in_range(int, 0, below=256), default=4, help="loader processes per training process")
     add("--epochs", type=in_range(int, 0), default=90)
     add("-b", "--batch-size", type=in_range(int, 1), default=256, help="global batch, divided over the processes")
@@ -1558,13 +1558,23 @@ def check_launch_args(args, world_size, device):
 
 
 def check_batch(args, world_size):
-    """The global batch over `world_size` processes, and each process's over --grad-accum-steps."""
+    """The global batch over `world_size` processes, each process's over --grad-accum-steps, and the size of its
+    images against the machine's memory (a size mistyped would end in the out-of-memory killer's SIGKILL)."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
     if args.batch_size // world_size % args.grad_accum_steps:
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local_batch = args.batch_size // world_size
+    sizes = {f"-b {args.batch_size} at --crop-size {args.crop_size}": (args.crop_size, local_batch, "-b, --crop-size"),
+             f"--val-resize {args.val_resize}": (args.val_resize, 1, "--val-resize")}  # one image, before its crop
+    for given, (side, images, smaller) in sizes.items():
+        need = images * 3 * side**2 * 4  # as float RGB, as the device gets them (a model needs more)
+        if need > memory:
+            raise UserError(f"{given}: {images} image(s) of {side}x{side} per process take {need / 2**30:.0f} GiB as "
+                            f"floats, more than this machine's {memory / 2**30:.0f} GiB: give smaller {smaller}")
 
 
 def check_run(args, world_size, device, sets):
@@ -1611,6 +1621,9 @@ def check_datasets(sets, args):
     if not isinstance(num_classes, int) or num_classes < 1:
         raise UserError(f"{source}: its train set has no number of classes: give --num-classes N, or the set an "
                         f"attribute num_classes = N (or classes, a list of N names), labels being 0 to N-1")
+    if num_classes == 1:  # the loss is 0 from the first step: nothing to learn
+        raise UserError(f"{source}: its train set has 1 class, and a classifier needs 2 or more: give it the other "
+                        f"classes (ImageFolder: a folder each), or --num-classes N")
     if isinstance(own, int) and num_classes < own:
         raise UserError(f"--num-classes {num_classes}, but {source}'s train set has {own} classes: drop the flag")
     mean, std = getattr(sets[0], "mean", None), getattr(sets[0], "std", None)

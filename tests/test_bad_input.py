@@ -1,4 +1,6 @@
 """Bad input: one line saying what is wrong and what to do, a non-zero exit, no hang, no process left."""
+import math
+import os
 import re
 import shutil
 import socket
@@ -12,6 +14,7 @@ from PIL import Image
 from conftest import FAST, OUTPUT_FILES, ROOT, Job, error_lines, free_port, load, ok, python, spawn, torchrun
 
 SCRIPT = "distributed.py"
+MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, as the scripts read it
 
 
 def broken_copy(image_data, tmp_path, change):
@@ -118,6 +121,19 @@ CASES = {
         2, lambda d, t: [d, "-b", "4", "--grad-accum-steps", "2"],
         r"a BatchNorm layer got one value per channel in a training step \(input size torch.Size\(\[1, 512, 1, 1\]\)"
         r"\): give each process's \(micro-\)batch 2 or more samples \(a larger -b/--batch-size\), or larger inputs$"),
+    "a batch larger than the machine's memory": (
+        1, lambda d, t: [d, "-b", str(MEMORY // (3 * 32 * 32 * 4) + 1)],
+        r"^error: -b \d+ at --crop-size 32: \d+ image\(s\) of 32x32 per process take \d+ GiB as floats, more than this "
+        r"machine's \d+ GiB: give smaller -b, --crop-size$"),
+    "a --val-resize larger than the machine's memory": (
+        1, lambda d, t: [d, "--val-resize", str(math.isqrt(MEMORY // 12) + 1)],
+        r"^error: --val-resize \d+: 1 image\(s\) of \d+x\d+ per process take \d+ GiB as floats, more than this "
+        r"machine's \d+ GiB: give smaller --val-resize$"),
+    "one class": (1, lambda d, t: [broken_copy(d, t, lambda x: [shutil.rmtree(folder) for split in ("train", "val")
+                                                                 for folder in (x / split).iterdir()
+                                                                 if folder.name != "class0"])],
+                  r"build_datasets: its train set has 1 class, and a classifier needs 2 or more: give it the other "
+                  r"classes \(ImageFolder: a folder each\), or --num-classes N"),
     "batch larger than the data": (1, lambda d, t: [d, "-b", "512"],
                                    r"192 training samples are fewer than one global batch of 512: lower -b"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
@@ -330,11 +346,12 @@ def test_spawn_dist_url_that_cannot_be_met_at_is_one_clear_line(url, expected, i
 
 
 def test_a_batch_that_does_not_fit_in_memory_is_one_line_naming_the_size(tmp_path):
-    """Out of memory was a traceback. Here the CPU's: --benchmark's batch of 100000 images of 224 px (60 GB, refused
-    by the address-space limit that prlimit sets, whatever the machine's memory); the GPU's: tests/gpu."""
-    job = Job(["prlimit", f"--as={32 << 30}", sys.executable, ROOT / SCRIPT, "--dummy", "--dummy-size", "100000",
-               "--benchmark", "1", "-b", "100000", "-j", "0", "--output-dir", tmp_path]).finish(120)
-    assert_one_clear_line(job, r"^error: out of memory on this rank \(you tried to allocate 60211200000 bytes\): use a "
+    """Out of memory was a traceback. Here the CPU's: --benchmark's batch of 2500 images of 224 px passes the check
+    against the machine's memory (1.5 GB as floats), and the first convolution's 8 GB output is refused by the
+    address-space limit that prlimit sets, before much is touched; the GPU's: tests/gpu."""
+    job = Job(["prlimit", f"--as={8 << 30}", sys.executable, ROOT / SCRIPT, "--dummy", "--dummy-size", "2500",
+               "--benchmark", "1", "-b", "2500", "-j", "0", "--output-dir", tmp_path]).finish(120)
+    assert_one_clear_line(job, r"^error: out of memory on this rank \(you tried to allocate \d+ bytes\): use a "
                                r"smaller -b/--batch-size \(--grad-accum-steps K: the same global batch in K passes\)$")
 
 

@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import LAUNCHER_FAILED, OUTPUT_FILES, import_script, load, metrics, ok, python, torchrun
-from test_bad_input import broken_copy
+from test_bad_input import MEMORY, broken_copy
 
 SCRIPT = "unet3d_apex.py"
 # a small U-Net on 16³ patches, no loader workers, no progress lines unless a test asks
@@ -249,6 +249,14 @@ CASES = {
     "patch not divisible for the depth": (1, lambda d, t: [d, "--patch-size", "16", "10", "16"],
                                           r"--patch-size 16 10 16: with --depth 3 each side must be a positive "
                                           r"multiple of 4"),
+    "features larger than the machine's memory": (
+        1, lambda d, t: [d, "--base-channels", str(MEMORY // (4 * 16**3 * 4) + 1)],
+        r"^error: --patch-size 16 16 16 with -b 4 and --base-channels \d+: the first level's features, \d+ float "
+        r"volume\(s\) of that size per process, take \d+ GiB, more than this machine's \d+ GiB: give smaller sizes$"),
+    "a synthetic volume larger than the machine's memory": (
+        1, lambda d, t: ["--synthetic", "--synthetic-shape", *[str(round((MEMORY / 4) ** (1 / 3)) + 1)] * 3],
+        r"^error: --synthetic-shape (\d+ ){2}\d+: one volume, 1 float volume\(s\) of that size per process, take "
+        r"\d+ GiB"),
     "batch not divisible by world size": (2, lambda d, t: [d, "-b", "3"],
                                           r"--batch-size 3 is the global batch and must divide by the world size 2"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
