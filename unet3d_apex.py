@@ -1487,7 +1487,7 @@ def exit_ctrl_c(reporter):
 
 def claim_output_dir(args, rank, log):
     """Rank 0 of a training run locks --output-dir until it ends (lockf: a killed run holds it no more), so that a
-    second run given it stops at once. The open lock file stays in claim_output_dir.lock."""
+    second run given it stops at once. The lock file stays open (locked) until exit closes it."""
     if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
         return
     path = os.path.join(args.output_dir, "run.lock")
@@ -1515,7 +1515,7 @@ def claim_output_dir(args, rank, log):
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
-    claim_output_dir.lock = lock
+    atexit.register(lock.close)  # (closed by the garbage collector, it would unlock too soon)
 
 
 # the safety net wraps main_worker: deleted with it, main_worker is what part 1 says

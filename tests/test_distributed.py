@@ -144,6 +144,14 @@ def test_a_log_that_cannot_be_written_any_more_leaves_the_run_training(image_dat
     assert load(tmp_path / "checkpoint.pth.tar")["epoch"] == 1 and len(metrics(tmp_path)) == 1
 
 
+def test_pythons_development_mode_finds_no_resource_left_open(image_data, tmp_path):
+    """PYTHONDEVMODE=1 (python -X dev) prints every ResourceWarning: the run's lock file, left open for the
+    garbage collector to close at exit, was one."""
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "-j", "2", "--epochs", "1", "--output-dir", tmp_path,
+                      env={"PYTHONDEVMODE": "1"}))
+    assert "Warning" not in job.output, job.output
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_a_signal_to_torchrun_ends_in_the_preemption_checkpoint_with_loader_workers(signum, image_data, tmp_path):
     """SIGTERM to torchrun (`kill`, `timeout`, Kubernetes), or SIGHUP (the terminal or SSH session hung up; torchrun
