@@ -1731,10 +1731,11 @@ def check_fit(path, ckpt, sets, args):
     if odd and not args.evaluate:
         raise UserError(f"{path}: its {odd} is a {type(ckpt[odd]).__name__}, which these scripts never save: the file "
                         f"is damaged or made elsewhere; resume from another checkpoint, or evaluate it with -e")
-    # the step and the schedule count batches of --batch-size, the optimizer's groups follow --no-wd-norm-bias;
-    # checkpoints from before --opt: SGD's
+    # the step and the schedule count batches of --batch-size, the optimizer's groups follow --no-wd-norm-bias, and
+    # its state holds --lr, --momentum and --wd (given anew, they would be ignored); checkpoints before --opt: SGD's
     for flag, default in (("dropout", args.dropout), ("opt", "sgd"), ("batch_size", args.batch_size),
-                          ("no_wd_norm_bias", False)) if not args.evaluate else ():
+                          ("no_wd_norm_bias", False), ("lr", args.lr), ("momentum", args.momentum),
+                          ("weight_decay", args.weight_decay)) if not args.evaluate else ():
         trained, given = ckpt.get("args", {}).get(flag, default), getattr(args, flag, default)
         name = "--" + flag.replace("_", "-")
         said = {v: "the model's own dropout" if v is None else name if v is True else f"no {name}" if v is False

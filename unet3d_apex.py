@@ -824,8 +824,8 @@ def read_checkpoint(path):
 
 
 def load_checkpoint(path, config, args):
-    """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape (and, to train on, of this global
-    batch, whose batches its step counts), without a wrapper's prefix."""
+    """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape (and, to train on, of the flags its
+    step, optimizer and schedule hold: given anew, they would be ignored), without a wrapper's prefix."""
     ckpt = read_checkpoint(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":  # [safety]
         raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")  # [safety]
@@ -834,11 +834,13 @@ def load_checkpoint(path, config, args):
                          if k != "in_channels")  # [safety]
         raise UserError(f"{path} holds a U-Net with {ckpt['model']}, not {config}: pass {flags}, "  # [safety]
                         f"or another checkpoint")  # [safety]
-    trained = ckpt.get("args", {}).get("batch_size", args.batch_size)  # [safety]
-    if trained != args.batch_size and not args.evaluate:  # [safety]
-        raise UserError(f"{path} was trained with --batch-size {trained}, this run has --batch-size "  # [safety]
-                        f"{args.batch_size}: continue it with --batch-size {trained}, or train without "  # [safety]
-                        f"--resume")  # [safety]
+    for flag in ("batch_size", "lr", "weight_decay", "milestones", "gamma") if not args.evaluate else ():  # [safety]
+        values = ckpt.get("args", {}).get(flag, getattr(args, flag)), getattr(args, flag)  # [safety]
+        trained, given = (" ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in values)  # [safety]
+        name = "--" + flag.replace("_", "-")  # [safety]
+        if trained != given:  # [safety]
+            raise UserError(f"{path} was trained with {name} {trained}, this run has {name} {given}: "  # [safety]
+                            f"continue it with {name} {trained}, or train without --resume")  # [safety]
     consume_prefix_in_state_dict_if_present(ckpt["state_dict"], "module.")
     return ckpt
 

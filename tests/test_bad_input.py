@@ -188,6 +188,9 @@ CASES = {
     "resume with another global batch": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"batch_size": 64})],
                                         r"ckpt.pth.tar was trained with --batch-size 64, this run has --batch-size "
                                         r"16: continue it with --batch-size 64, or train without --resume"),
+    "resume with another learning rate": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"lr": 0.4})],
+                                         r"ckpt.pth.tar was trained with --lr 0.4, this run has --lr 0.005: continue "
+                                         r"it with --lr 0.4, or train without --resume"),
     "resume without --no-wd-norm-bias": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"no_wd_norm_bias": True})],
                                          r"trained with --no-wd-norm-bias, this run has no --no-wd-norm-bias: "
                                          r"continue it with --no-wd-norm-bias"),

@@ -267,6 +267,10 @@ CASES = {
     "resume with another global batch": (
         1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, args={"batch_size": 8})],
         r"ckpt.pth.tar was trained with --batch-size 8, this run has --batch-size 4: continue it with --batch-size 8"),
+    "resume with other lr milestones": (
+        1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, args={"milestones": [5]})],
+        r"ckpt.pth.tar was trained with --milestones 5, this run has --milestones 60 80: continue it with "
+        r"--milestones 5, or train without --resume"),
     "a NaN voxel makes the loss NaN": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(
         x / "train" / "images" / "vol0.npy", nan_volume()))],
                                        r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
