@@ -90,7 +90,8 @@ def parse_args(argv=None):
     add("--dataset", default=None, metavar="MODULE:FUNCTION",  # [spec]
         help="your own data: FUNCTION(args) returns (train_set, val_set) (README: Your own data and model)")  # [spec]
     add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")  # [dummy]
-    add("--dummy-size", type=in_range(int, 1), default=1280, metavar="N", help="--dummy's training images")  # [dummy]
+    add("--dummy-size", type=in_range(int, 1, below=10**7), default=1280, metavar="N",  # [dummy]
+        help="--dummy's training images (an epoch's order is a list in memory: fewer than 10**7)")  # [dummy]
     add("-a", "--arch", default="resnet18", metavar="ARCH",
         help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")  # [pretrained]
@@ -1899,10 +1900,16 @@ def check_model(args, num_classes=1000, example=None):
 
 
 def check_evaluated(path, args):
-    """-e --resume auto where --output-dir holds no checkpoint: it would evaluate the model's random initial weights."""
+    """-e where --output-dir holds no checkpoint for --resume auto, or with no --resume at all (nor --pretrained, nor
+    a MODULE:FUNCTION model, which may load its own weights): it would evaluate the model's random initial weights."""
     if args.evaluate and args.resume == "auto" and not path:
         raise UserError(f"-e --resume auto: --output-dir {args.output_dir} holds no checkpoint to evaluate; give the "
                         f"--output-dir of the run, or --resume PATH")
+    weighted = getattr(args, "pretrained", False) or ":" in getattr(args, "arch", "")  # (unet3d_apex.py: neither)
+    if args.evaluate and not args.resume and not weighted:
+        raise UserError("-e evaluates trained weights, and none are given: add --resume PATH (a checkpoint, or "
+                        "weights saved with torch.save(model.state_dict(), PATH))"
+                        + " or --pretrained" * hasattr(args, "pretrained"))
 
 
 def check_fit(path, ckpt, sets, args):
@@ -1925,10 +1932,11 @@ def check_fit(path, ckpt, sets, args):
         raise UserError(f"{path}: its {odd} is a {type(ckpt[odd]).__name__}, which these scripts never save: the file "
                         f"is damaged or made elsewhere; resume from another checkpoint, or evaluate it with -e")
     # the step and the schedule count batches of --batch-size, the optimizer's groups follow --no-wd-norm-bias, and
-    # its state holds --lr, --momentum and --wd (given anew, they would be ignored); checkpoints before --opt: SGD's
+    # its state holds --lr, --momentum and --wd (given anew, they would be ignored); --seed drew the order of the
+    # epoch a preempted run goes on with; checkpoints before --opt: SGD's
     for flag, default in (("dropout", args.dropout), ("opt", "sgd"), ("batch_size", args.batch_size),
                           ("no_wd_norm_bias", False), ("lr", args.lr), ("momentum", args.momentum),
-                          ("weight_decay", args.weight_decay)) if not args.evaluate else ():
+                          ("weight_decay", args.weight_decay), ("seed", args.seed)) if not args.evaluate else ():
         trained, given = ckpt.get("args", {}).get(flag, default), getattr(args, flag, default)
         name = "--" + flag.replace("_", "-")
         said = {v: "the model's own dropout" if v is None else name if v is True else f"no {name}" if v is False

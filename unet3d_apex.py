@@ -86,8 +86,8 @@ def parse_args(argv=None):
     add("data", nargs="?", metavar="DIR",
         help="folder with train/images, train/labels, val/images, val/labels (not needed with --synthetic)")
     add("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")
-    add("--synthetic-size", type=in_range(int, 1), default=40, metavar="N",
-        help="with --synthetic: training volumes (validation gets N/4)")
+    add("--synthetic-size", type=in_range(int, 1, below=10**7), default=40, metavar="N",
+        help="with --synthetic: training volumes (validation gets N/4; an epoch's order is a list in memory)")
     add("--synthetic-shape", type=in_range(int, 1), nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"),
         help="with --synthetic: volume size")
     add("--patch-size", type=in_range(int, 1), nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
@@ -825,7 +825,8 @@ def read_checkpoint(path):
 
 def load_checkpoint(path, config, args):
     """The checkpoint (read_checkpoint's), checked to be a 3D U-Net of this shape (and, to train on, of the flags its
-    step, optimizer and schedule hold: given anew, they would be ignored), without a wrapper's prefix."""
+    step, optimizer, schedule and the epoch's order hold: given anew, they would be ignored), without a wrapper's
+    prefix."""
     ckpt = read_checkpoint(path)
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":  # [safety]
         raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")  # [safety]
@@ -834,7 +835,8 @@ def load_checkpoint(path, config, args):
                          if k != "in_channels")  # [safety]
         raise UserError(f"{path} holds a U-Net with {ckpt['model']}, not {config}: pass {flags}, "  # [safety]
                         f"or another checkpoint")  # [safety]
-    for flag in ("batch_size", "lr", "weight_decay", "milestones", "gamma") if not args.evaluate else ():  # [safety]
+    flags = ("batch_size", "lr", "weight_decay", "milestones", "gamma", "seed")  # [safety]
+    for flag in flags if not args.evaluate else ():  # [safety]
         values = ckpt.get("args", {}).get(flag, getattr(args, flag)), getattr(args, flag)  # [safety]
         trained, given = (" ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v) for v in values)  # [safety]
         name = "--" + flag.replace("_", "-")  # [safety]
@@ -1248,10 +1250,16 @@ def check_run(args, world_size, device, sets, rank):
 
 
 def check_evaluated(path, args):
-    """-e --resume auto where --output-dir holds no checkpoint: it would evaluate the model's random initial weights."""
+    """-e where --output-dir holds no checkpoint for --resume auto, or with no --resume at all (nor --pretrained, nor
+    a MODULE:FUNCTION model, which may load its own weights): it would evaluate the model's random initial weights."""
     if args.evaluate and args.resume == "auto" and not path:
         raise UserError(f"-e --resume auto: --output-dir {args.output_dir} holds no checkpoint to evaluate; give the "
                         f"--output-dir of the run, or --resume PATH")
+    weighted = getattr(args, "pretrained", False) or ":" in getattr(args, "arch", "")  # (unet3d_apex.py: neither)
+    if args.evaluate and not args.resume and not weighted:
+        raise UserError("-e evaluates trained weights, and none are given: add --resume PATH (a checkpoint, or "
+                        "weights saved with torch.save(model.state_dict(), PATH))"
+                        + " or --pretrained" * hasattr(args, "pretrained"))
 
 
 def check_shared_gpus(store, world_size, device, backend):

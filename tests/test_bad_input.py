@@ -138,6 +138,10 @@ CASES = {
                                    r"192 training samples are fewer than one global batch of 512: lower -b"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
                             r"--resume .*none.pth.tar: no such file"),
+    "-e with no weights to evaluate": (1, lambda d, t: [d, "-e"],
+                                       r"^error: -e evaluates trained weights, and none are given: add --resume PATH "
+                                       r"\(a checkpoint, or weights saved with torch.save\(model.state_dict\(\), "
+                                       r"PATH\)\) or --pretrained$"),
     "-e --resume auto with no checkpoint": (2, lambda d, t: [d, "-e", "--resume", "auto"],
                                             r"-e --resume auto: --output-dir .*out holds no checkpoint to evaluate; "
                                             r"give the --output-dir of the run, or --resume PATH$"),
@@ -191,6 +195,9 @@ CASES = {
     "resume with another learning rate": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"lr": 0.4})],
                                          r"ckpt.pth.tar was trained with --lr 0.4, this run has --lr 0.005: continue "
                                          r"it with --lr 0.4, or train without --resume"),
+    "resume with another seed": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"seed": 3})],
+                                 r"ckpt.pth.tar was trained with --seed 3, this run has --seed 0: continue it with "
+                                 r"--seed 3, or train without --resume"),
     "resume without --no-wd-norm-bias": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"no_wd_norm_bias": True})],
                                          r"trained with --no-wd-norm-bias, this run has no --no-wd-norm-bias: "
                                          r"continue it with --no-wd-norm-bias"),

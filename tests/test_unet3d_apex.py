@@ -207,6 +207,10 @@ def optional_library_case(module, ext):
 CASES = {
     "--synthetic and a data folder": (1, lambda d, t: [d, "--synthetic"],
                                       r"--synthetic makes its own volumes, and .* names a folder: give one of them"),
+    "-e with no weights to evaluate": (1, lambda d, t: [d, "-e"],
+                                       r"^error: -e evaluates trained weights, and none are given: add --resume PATH "
+                                       r"\(a checkpoint, or weights saved with torch.save\(model.state_dict\(\), "
+                                       r"PATH\)\)$"),
     "-e --resume auto with no checkpoint": (1, lambda d, t: [d, "-e", "--resume", "auto"],
                                             r"-e --resume auto: --output-dir .* holds no checkpoint to evaluate"),
     "missing data folder": (1, lambda d, t: [t / "nowhere"],
