@@ -881,6 +881,8 @@ def read_volume(path, shape_only=False):
         raise RankError(f"cannot read volume {path} ({reason}): replace or remove the file") from None
     if not shape_only and array.dtype.kind not in "biuf":  # complex, text, dates: no intensities to learn from
         raise RankError(f"{path} holds {array.dtype} values: a volume holds integers, floats or booleans; convert it")
+    if not shape_only and array.dtype.kind == "f" and not np.isfinite(array).all():  # [safety]
+        raise RankError(f"{path} holds NaN or inf values: replace them (numpy.nan_to_num), or remove it")  # [safety]
     return tuple(array.shape) if shape_only else array
 
 

@@ -275,9 +275,12 @@ CASES = {
         1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, args={"milestones": [5]})],
         r"ckpt.pth.tar was trained with --milestones 5, this run has --milestones 60 80: continue it with "
         r"--milestones 5, or train without --resume"),
-    "a NaN voxel makes the loss NaN": (2, lambda d, t: [broken_copy(d, t, lambda x: replace(
-        x / "train" / "images" / "vol0.npy", nan_volume()))],
-                                       r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
+    "a NaN voxel": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy",
+                                                                        nan_volume()))],
+                    r"^error: .*train/images/vol0.npy holds NaN or inf values: replace them \(numpy.nan_to_num\), or "
+                    r"remove it$"),
+    "a learning rate that makes the loss NaN": (1, lambda d, t: [d, "--lr", "1e30"],
+                                                r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
 }
 
 
