@@ -144,7 +144,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
     args.lr = {"sgd": 0.1, "adamw": 0.001}[args.opt] if args.lr is None else args.lr
-    args.dummy = args.dummy or (args.benchmark > 0 and not args.dataset)  # [dummy] [benchmark] [spec]
+    args.dummy = args.dummy or (args.benchmark > 0 and not (args.dataset or args.data))  # [dummy] [benchmark] [spec]
     check_args(args)  # [safety]
     args.model_ema_decay = 0.9998 if args.model_ema_decay is None else args.model_ema_decay  # [ema]
     args.model_ema_steps = args.model_ema_steps or 1  # [ema]
@@ -1690,7 +1690,7 @@ def check_run(args, world_size, device, sets):
             raise UserError(f"--dist-backend {backend}: {name} {what}; leave the flag out (nccl with GPUs, "
                             f"gloo without), or give gloo")
     train_set = check_datasets(sets, args)[0]
-    if len(train_set) < args.batch_size and not args.evaluate:
+    if len(train_set) < args.batch_size and not (args.evaluate or getattr(args, "benchmark", 0)):  # neither trains
         raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
                         f"lower -b")
 

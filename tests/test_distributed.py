@@ -338,9 +338,13 @@ def test_every_script_forks_its_loader_workers_before_the_model_and_the_checkpoi
     assert not called & {"build_model", "UNet3D", "load_checkpoint", "read_checkpoint"}, called
 
 
-def test_benchmark_mode_trains_on_synthetic_device_batches_and_prints_img_per_s(tmp_path):
-    job = ok(torchrun(SCRIPT, 2, "--benchmark", "4", "--crop-size", "32", "-b", "16", "--output-dir", tmp_path))
-    assert re.search(r"^benchmark: \d+ img/s over 4 steps, 2 processes, global batch 16, resnet18 at 32 px",
+def test_benchmark_mode_trains_on_synthetic_device_batches_and_prints_img_per_s(image_data, tmp_path):
+    """With DATA, its class count; the global batch may exceed its train set (192), which it never reads. Without
+    DATA: tests/test_benchmarks.py (benchmarks/gpu_throughput.py)."""
+    job = ok(torchrun(SCRIPT, 2, image_data, "--benchmark", "4", "--crop-size", "32", "-b", "200",
+                      "--output-dir", tmp_path))
+    assert "resnet18, 4 classes, 192 train" in job.output, job.output
+    assert re.search(r"^benchmark: \d+ img/s over 4 steps, 2 processes, global batch 200, resnet18 at 32 px",
                      job.output, re.M)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
 
