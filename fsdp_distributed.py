@@ -1917,13 +1917,18 @@ def check_model(args, num_classes=1000, example=None):
     if not any(p.requires_grad for p in model.parameters()):  # DDP and backward() would fail at the first step
         raise UserError(f"--arch {args.arch} has no parameters to train (none, or all with requires_grad=False): "
                         f"give it some that require gradients")
+    if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
+        raise UserError(f"--arch {args.arch} has lazy parameters (nn.LazyLinear, nn.LazyConv2d...), whose sizes only a "
+                        f"forward pass sets, after DDP and the optimizer took them: give their input sizes")
     reason = failure()
     if reason is None:
         return model
     if not (image and known):
+        hint = (f"; images reach it at --crop-size {args.crop_size}: give the size it takes" if image else "")
+        if any(words in reason for words in MIXED_DTYPES):
+            hint = "; give them one dtype (model.float() in build_model, or the data's tensors .float())"
         raise UserError(f"--arch {args.arch} does not take the data's inputs ({'x'.join(map(str, shape))} "
-                        f"{str(dtype).replace('torch.', '')}): {reason}"
-                        + (f"; images reach it at --crop-size {args.crop_size}: give the size it takes" * image))
+                        f"{str(dtype).replace('torch.', '')}): {reason}{hint}")
     weights = torchvision.models.get_model_weights(args.arch).DEFAULT
     hints = [getattr(model, "image_size", 0), weights.meta["min_size"][0]]  # a ViT's size, torchvision's minimum
     fits = next((size for size in hints if size and failure(size) is None), None)
@@ -2124,6 +2129,8 @@ def check_finite(summary, first_bad, epoch):
                         f"lower --lr, add --warmup-epochs, or check the data")
 
 
+# F.linear's, a convolution's, a norm's words for a model and inputs of other dtypes, or on other devices
+MIXED_DTYPES = ("must have the same dtype", "should be the same", "expected scalar type", "to be on the same device")
 PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed", "got 0 bytes",
              "communicator was aborted", "remote process exited", "ncclremoteerror")  # words that say so: not a type
 
@@ -2194,8 +2201,7 @@ def explain_failure(error, args):
     if "Expected to have finished reduction in the prior iteration" in text:  # DDP's words
         return UserError("the model has parameters that get no gradient in a training step, and DDP waits for every "
                          "one: make the loss use them, drop them from the model, or freeze them (requires_grad=False)")
-    mixed = ("must have the same dtype", "should be the same", "expected scalar type", "to be on the same device")
-    if any(words in text for words in mixed):  # F.linear's, a convolution's, a norm's words
+    if any(words in text for words in MIXED_DTYPES):
         return UserError(f"the model and its inputs differ in dtype or device ({lines[-1][:120]}): give them one dtype "
                          f"(model.float() in build_model, or the data's tensors .float()), and keep the model's "
                          f"tensors in parameters or buffers, which move to the device with it")

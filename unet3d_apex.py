@@ -1351,6 +1351,8 @@ def check_finite(summary, first_bad, epoch):
                         f"lower --lr, or check the data")
 
 
+# F.linear's, a convolution's, a norm's words for a model and inputs of other dtypes, or on other devices
+MIXED_DTYPES = ("must have the same dtype", "should be the same", "expected scalar type", "to be on the same device")
 PEER_GONE = ("closed by peer", "closed by remote peer", "reset by peer", "broken pipe", "socket closed", "got 0 bytes",
              "communicator was aborted", "remote process exited", "ncclremoteerror")  # words that say so: not a type
 
@@ -1421,8 +1423,7 @@ def explain_failure(error, args):
     if "Expected to have finished reduction in the prior iteration" in text:  # DDP's words
         return UserError("the model has parameters that get no gradient in a training step, and DDP waits for every "
                          "one: make the loss use them, drop them from the model, or freeze them (requires_grad=False)")
-    mixed = ("must have the same dtype", "should be the same", "expected scalar type", "to be on the same device")
-    if any(words in text for words in mixed):  # F.linear's, a convolution's, a norm's words
+    if any(words in text for words in MIXED_DTYPES):
         return UserError(f"the model and its inputs differ in dtype or device ({lines[-1][:120]}): give them one dtype "
                          f"(model.float() in build_model, or the data's tensors .float()), and keep the model's "
                          f"tensors in parameters or buffers, which move to the device with it")

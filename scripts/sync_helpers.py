@@ -40,7 +40,7 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
 SAFETY = ["check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS", "add_foreign_flags", "check_batch",
           "check_run", "check_datasets", "check_model", "check_evaluated", "check_fit", "check_shared_gpus",
           "explain_failed_save", "explain_unreadable", "explain_damaged", "check_same_checkpoint", "check_items",
-          "check_finite", "PEER_GONE", "explain_failure",
+          "check_finite", "MIXED_DTYPES", "PEER_GONE", "explain_failure",
           "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX

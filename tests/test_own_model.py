@@ -208,6 +208,14 @@ def double_mlp(num_classes):
     return MLP(num_classes).double()
 
 
+def half_cnn(num_classes):
+    return CNN(num_classes).half()
+
+
+def lazy_mlp(num_classes):
+    return nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, num_classes))
+
+
 class Unused(MLP):
     """A layer that forward never calls: DDP waits for its gradient."""
 
@@ -531,6 +539,15 @@ BAD = {
     "a model in another dtype than the data": (["--dataset", "mine:table", "-a", "mine:double_mlp"],
                                                r"the model and its inputs differ in dtype or device \(.*\): give them "
                                                r"one dtype \(model.float\(\) in build_model"),
+    "an image model in another dtype than the images": (["--dataset", "mine:npz_images", "images.npz", "-a",
+                                                          "mine:half_cnn", "--crop-size", "10", "--val-resize", "12"],
+                                                         r"--arch mine:half_cnn does not take the data's inputs "
+                                                         r"\(3x10x10 float32\): .*; give them one dtype "
+                                                         r"\(model.float\(\) in build_model"),
+    "a model with lazy parameters": (["--dataset", "mine:table", "-a", "mine:lazy_mlp"],
+                                     r"--arch mine:lazy_mlp has lazy parameters \(nn.LazyLinear, nn.LazyConv2d...\), "
+                                     r"whose sizes only a forward pass sets, after DDP and the optimizer took them: "
+                                     r"give their input sizes"),
     "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
