@@ -1719,6 +1719,9 @@ def check_model(args, num_classes=1000, example=None):
     if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
         raise UserError(f"--arch {args.arch} has lazy parameters (nn.LazyLinear, nn.LazyConv2d...), whose sizes only a "
                         f"forward pass sets, after DDP and the optimizer took them: give their input sizes")
+    if any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for m in model.modules()):
+        raise UserError(f"--arch {args.arch} makes sparse gradients (an embedding with sparse=True), which neither the "
+                        f"fused optimizers nor FSDP take: make them dense (sparse=False)")
     reason = failure()
     if reason is None:
         return model

@@ -216,6 +216,12 @@ def lazy_mlp(num_classes):
     return nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, num_classes))
 
 
+def sparse_mlp(num_classes):
+    model = MLP(num_classes)
+    model.lookup = nn.Embedding(4, 4, sparse=True)
+    return model
+
+
 class Unused(MLP):
     """A layer that forward never calls: DDP waits for its gradient."""
 
@@ -548,6 +554,9 @@ BAD = {
                                      r"--arch mine:lazy_mlp has lazy parameters \(nn.LazyLinear, nn.LazyConv2d...\), "
                                      r"whose sizes only a forward pass sets, after DDP and the optimizer took them: "
                                      r"give their input sizes"),
+    "a model with sparse gradients": (["--dataset", "mine:table", "-a", "mine:sparse_mlp"],
+                                      r"--arch mine:sparse_mlp makes sparse gradients \(an embedding with sparse=True\)"
+                                      r", which neither the fused optimizers nor FSDP take: make them dense"),
     "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
