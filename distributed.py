@@ -1699,8 +1699,10 @@ def check_model(args, num_classes=1000, example=None):
                 self.refused = None if "meta" in str(e).lower() else e
                 raise
 
-    def failure(size=None):
-        """Why a training forward pass of 2 inputs (images of size x size) fails; None if it works, or may work."""
+    def failure(size=None, train=True):
+        """Why a training (or evaluation) forward pass of 2 inputs (images of size x size) fails; None if it works, or
+        may work."""
+        model.train(train)
         try:
             with Calls() as calls, torch.device("meta"):
                 output = model(torch.empty(2, *(shape if size is None else (3, size, size)), dtype=dtype))
@@ -1723,7 +1725,11 @@ def check_model(args, num_classes=1000, example=None):
         raise UserError(f"--arch {args.arch} makes sparse gradients (an embedding with sparse=True), which neither the "
                         f"fused optimizers nor FSDP take: make them dense (sparse=False)")
     reason = failure()
-    if reason is None:
+    if reason is None:  # and the evaluation that ends the first epoch, in eval mode
+        evaluated = failure(train=False)
+        if evaluated:
+            raise UserError(f"--arch {args.arch} in eval mode (model.eval(), as evaluation runs it): {evaluated}; "
+                            f"return the logits it returns in training")
         return model
     if not (image and known):
         hint = (f"; images reach it at --crop-size {args.crop_size}: give the size it takes" if image else "")

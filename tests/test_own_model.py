@@ -216,6 +216,18 @@ def lazy_mlp(num_classes):
     return nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, num_classes))
 
 
+class EvalPair(MLP):
+    """Logits in training, (logits, inputs) in eval mode."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits if self.training else (logits, x)
+
+
+def eval_pair(num_classes):
+    return EvalPair(num_classes)
+
+
 def sparse_mlp(num_classes):
     model = MLP(num_classes)
     model.lookup = nn.Embedding(4, 4, sparse=True)
@@ -557,6 +569,10 @@ BAD = {
     "a model with sparse gradients": (["--dataset", "mine:table", "-a", "mine:sparse_mlp"],
                                       r"--arch mine:sparse_mlp makes sparse gradients \(an embedding with sparse=True\)"
                                       r", which neither the fused optimizers nor FSDP take: make them dense"),
+    "a model that returns no logits in eval mode": (["--dataset", "mine:table", "-a", "mine:eval_pair"],
+                                                    r"--arch mine:eval_pair in eval mode \(model.eval\(\), as "
+                                                    r"evaluation runs it\): it returns tuple, not logits; return the "
+                                                    r"logits it returns in training"),
     "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
