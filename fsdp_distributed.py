@@ -1749,7 +1749,8 @@ def check_launch_args(args, world_size, device):
     if args.export and os.path.isdir(args.export):
         raise UserError(f"--export {args.export} is a folder: give the path of a file in it, e.g. "
                         f"{os.path.join(args.export, 'full.pth.tar')}")
-    if args.export and not os.path.isdir(folder) and folder != os.path.abspath(args.output_dir):  # made later
+    made_later = folder == os.path.abspath(args.output_dir) and not args.evaluate  # -e makes no --output-dir
+    if args.export and not os.path.isdir(folder) and not made_later:
         raise UserError(f"--export {args.export}: its folder does not exist; create it, or give another path")
     if args.export and os.path.isdir(folder):
         try:  # read-only, or another user's: found now, not when the training ends

@@ -188,6 +188,9 @@ BAD = {
                                            r"full weights with -e"),
     "--export into a missing folder": (1, lambda out, t: ["--export", t / "nowhere" / "full.pth.tar"],
                                        r"--export .*nowhere/full.pth.tar: its folder does not exist"),
+    "-e --export into --output-dir, which -e never makes": (
+        1, lambda out, t: ["-e", "--resume", out / "model_best.pth.tar", "--export", t / "fresh" / "full.pth.tar"],
+        r"--export .*fresh/full.pth.tar: its folder does not exist"),
     "a folder that is no checkpoint": (1, lambda out, t: ["--resume", t],
                                        r"cannot load checkpoint .*: it is unreadable or truncated"),
     "--resume auto, the checkpoint's folder gone": (
