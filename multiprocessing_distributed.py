@@ -1658,6 +1658,9 @@ def check_launch_args(args, world_size, device):
     the launcher interface (each sibling checks its own), called by check_run alone."""
 
 
+MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, in bytes
+
+
 def check_batch(args, world_size):
     """The global batch over `world_size` processes, each process's over --grad-accum-steps, and the size of its
     images against the machine's memory (a size mistyped would end in the out-of-memory killer's SIGKILL)."""
@@ -1667,15 +1670,14 @@ def check_batch(args, world_size):
     if args.batch_size // world_size % args.grad_accum_steps:
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local_batch = args.batch_size // world_size
     sizes = {f"-b {args.batch_size} at --crop-size {args.crop_size}": (args.crop_size, local_batch, "-b, --crop-size"),
              f"--val-resize {args.val_resize}": (args.val_resize, 1, "--val-resize")}  # one image, before its crop
     for given, (side, images, smaller) in sizes.items():
         need = images * 3 * side**2 * 4  # as float RGB, as the device gets them (a model needs more)
-        if need > memory:
+        if need > MEMORY:
             raise UserError(f"{given}: {images} image(s) of {side}x{side} per process take {need / 2**30:.0f} GiB as "
-                            f"floats, more than this machine's {memory / 2**30:.0f} GiB: give smaller {smaller}")
+                            f"floats, more than this machine's {MEMORY / 2**30:.0f} GiB: give smaller {smaller}")
 
 
 def check_run(args, world_size, device, sets):
@@ -1693,6 +1695,11 @@ def check_run(args, world_size, device, sets):
     if len(train_set) < args.batch_size and not (args.evaluate or getattr(args, "benchmark", 0)):  # neither trains
         raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
                         f"lower -b")
+    order = len(train_set) * 44  # an epoch's order: randperm's int64 tensor, then a list of Python ints
+    if order > MEMORY:
+        raise UserError(f"{len(train_set)} training samples: an epoch's order of them, a list in memory, takes "
+                        f"{order / 2**30:.0f} GiB, more than this machine's {MEMORY / 2**30:.0f} GiB: give a smaller "
+                        f"train set")
 
 
 def check_datasets(sets, args):

@@ -1224,22 +1224,24 @@ def check_launch_args(args, world_size, device):
     the launcher interface (each sibling checks its own), called by check_run alone."""
 
 
+MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, in bytes
+
+
 def check_run(args, world_size, device, sets, rank):
     """The rest of bad input, before the loaders start: the batch, the launcher's flags, the data (each rank reads
     its own share of the label masks)."""
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     patch, shape = (" ".join(map(str, sides)) for sides in (args.patch_size, args.synthetic_shape))
     sizes = {f"--patch-size {patch} with -b {args.batch_size} and --base-channels {args.base_channels}": (
                  args.patch_size, args.batch_size // world_size * args.base_channels, "the first level's features"),
              f"--synthetic-shape {shape}": (args.synthetic_shape if args.synthetic else (), 1, "one volume")}
     for given, (sides, count, what) in sizes.items():
         need = count * math.prod(sides) * 4  # as float32 (a model needs more)
-        if sides and need > memory:
+        if sides and need > MEMORY:
             raise UserError(f"{given}: {what}, {count} float volume(s) of that size per process, take "
-                            f"{need / 2**30:.0f} GiB, more than this machine's {memory / 2**30:.0f} GiB: give smaller "
+                            f"{need / 2**30:.0f} GiB, more than this machine's {MEMORY / 2**30:.0f} GiB: give smaller "
                             f"sizes")
     check_launch_args(args, world_size, device)
     train_set, val_set = sets

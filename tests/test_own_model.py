@@ -53,6 +53,20 @@ def table(args):
     return Table(192, 0), Table(40, 1)
 
 
+class Endless(Table):
+    """A train set of 10**12 rows, the first 192 repeated: no machine holds an epoch's order of them."""
+
+    def __len__(self):
+        return 10**12
+
+    def __getitem__(self, index):
+        return super().__getitem__(index % 192)
+
+
+def endless(args):
+    return Endless(192, 0), Table(40, 1)
+
+
 def mlp(num_classes):
     return MLP(num_classes)
 
@@ -573,6 +587,10 @@ BAD = {
                                                     r"--arch mine:eval_pair in eval mode \(model.eval\(\), as "
                                                     r"evaluation runs it\): it returns tuple, not logits; return the "
                                                     r"logits it returns in training"),
+    "a train set whose order outgrows memory": (["--dataset", "mine:endless", "-a", "mine:mlp"],
+                                                r"^error: 1000000000000 training samples: an epoch's order of them, a "
+                                                r"list in memory, takes \d+ GiB, more than this machine's \d+ GiB: "
+                                                r"give a smaller train set$"),
     "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
