@@ -37,6 +37,7 @@ import datetime
 import functools
 import gc
 import fcntl  # [safety]
+import hashlib  # [safety]
 import importlib  # [spec]
 import inspect  # [sync-bn]
 import json  # [logs]
@@ -392,7 +393,7 @@ def main_worker(args, local_index=None):
     set_seed(args.seed + rank)  # but each rank its own dropout draws
     group = start_process_group(args, rank, world_size, device, log)
     preemption.group = group  # [preemption]
-    check_same_checkpoint(gather_objects(ckpt and (ckpt.get("epoch", 0), ckpt.get("step", 0))))  # [safety]
+    check_ranks_agree(args, sets, ckpt)  # [safety]
     data = f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples"
     if getattr(train_set, "loader", None) is load_image:  # [fast-decode]
         data += f", JPEGs decoded by {JPEG_DECODER}"  # [fast-decode]
@@ -1903,14 +1904,29 @@ def explain_damaged(load_state_dict):
     return load
 
 
-def check_same_checkpoint(views):
-    """`views`: each rank's resume point, (epoch, step) or None; ranks apart would wait until the timeout."""
-    if len(set(views)) > 1:
-        first = {view: views.index(view) for view in views}  # the first rank of each view
-        text = "; ".join(f"rank {rank}: " + (f"epoch {view[0]} step {view[1]}" if view else "none")
-                         for view, rank in first.items())
-        raise UserError(f"the ranks found different checkpoints to resume from ({text}): --output-dir and --resume "
-                        f"must be on a filesystem that every node shares and sees up to date")
+PER_NODE = {"data", "output_dir", "resume", "workers", "local_rank", "node_rank", "gpus", "dist_url"}  # paths, devices
+
+
+def check_ranks_agree(args, sets, ckpt):
+    """Once the process group is up, the ranks compare what every node must have alike: the script, torch, the flags
+    (PER_NODE's aside), the data's sizes, the checkpoint found. Apart, they would hang at the first collective that
+    one of them skips (another epoch length), or train apart without a word (another --lr on one node)."""
+    with open(__file__, "rb") as f:
+        view = {"script sha256 {}": hashlib.sha256(f.read()).hexdigest()[:12], "torch {}": torch.__version__}
+    view.update({f"--{name.replace('_', '-')} {{}}": v for name, v in vars(args).items() if name not in PER_NODE})
+    view.update({"{} training samples": len(sets[0]), "{} validation samples": len(sets[1]),
+                 "checkpoint {}": f"epoch {ckpt.get('epoch', 0)} step {ckpt.get('step', 0)}" if ckpt else "none"})
+    views = gather_objects(view)
+    other = next((rank for rank, theirs in enumerate(views) if theirs != views[0]), None)  # the same on every rank
+    if other is None:
+        return
+    apart = [key for key in view if views[other].get(key) != views[0].get(key)][:4]  # the first few, in one line
+    seen = "; ".join(f"rank {rank}: " + ", ".join(key.format(views[rank].get(key, "none")) for key in apart)
+                     for rank in (0, other))
+    fix = "start every node with the same script, torch, flags and data"
+    if apart == ["checkpoint {}"]:
+        fix = "--output-dir and --resume must be on a filesystem that every node shares and sees up to date"
+    raise UserError(f"the ranks differ ({seen}): {fix}")
 
 
 def check_items(samples, num_classes):

@@ -40,7 +40,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
 SAFETY = ["check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS", "add_foreign_flags", "MEMORY",
           "check_batch",
           "check_run", "check_datasets", "check_model", "check_evaluated", "check_fit", "check_shared_gpus",
-          "explain_failed_save", "explain_unreadable", "explain_damaged", "check_same_checkpoint", "check_items",
+          "explain_failed_save", "explain_unreadable", "explain_damaged", "PER_NODE", "check_ranks_agree",
+          "check_items",
           "check_finite", "MIXED_DTYPES", "PEER_GONE", "explain_failure",
           "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY

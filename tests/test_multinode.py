@@ -56,10 +56,31 @@ def test_ranks_that_find_different_checkpoints_stop_with_one_line_per_node(image
         job.finish(120)
         assert job.returncode != 0, job.output
         assert error_lines(job.output) == [
-            f"error: the ranks found different checkpoints to resume from (rank 0: epoch {EPOCHS} step 0; rank 1: "
-            f"none): --output-dir and --resume must be on a filesystem that every node shares and sees up to date"
+            f"error: the ranks differ (rank 0: checkpoint epoch {EPOCHS} step 0; rank 1: checkpoint none): "
+            f"--output-dir and --resume must be on a filesystem that every node shares and sees up to date"
         ], job.output
     assert not (tmp_path / "out1" / "checkpoint.pth.tar").exists()
+
+
+def test_nodes_given_other_flags_or_data_stop_with_one_line_per_node(image_data, tmp_path):
+    """Node 1 has a copy of the data that lacks 4 training images, and another --lr: the epochs would have other
+    lengths, and the job hang at an all-reduce one rank skips (here gloo aborted on a collective mismatch); another
+    --lr alone trains each rank's weights apart without a word. Flags that may differ per node (-j, the data's
+    path) are not compared."""
+    shutil.copytree(image_data, tmp_path / "data1")
+    for image in sorted((tmp_path / "data1" / "train").rglob("*.JPEG"))[:4]:
+        image.unlink()
+    jobs = two_nodes("distributed.py", *FAST, "--epochs", "1", "--output-dir", tmp_path / "out",
+                     node_args=lambda node: [image_data, "-j", "0"] if node == 0 else [
+                         tmp_path / "data1", "-j", "1", "--lr", "0.01"])
+    train = len(list((Path(image_data) / "train").rglob("*.JPEG")))
+    for job in jobs:
+        job.finish(120)
+        assert job.returncode != 0, job.output
+        assert error_lines(job.output) == [
+            f"error: the ranks differ (rank 0: --lr 0.005, {train} training samples; rank 1: --lr 0.01, {train - 4} "
+            f"training samples): start every node with the same script, torch, flags and data"], job.output
+    assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
 
 def elastic_node(endpoint, data, out, host=False):
