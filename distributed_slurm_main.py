@@ -1769,18 +1769,18 @@ def check_datasets(sets, args):
     spec = getattr(args, "dataset", None)  # None too where the block spec is cut
     source = f"--dataset {spec}" if spec else "build_datasets"
     if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
-        raise UserError(f"{source} returned a {type(sets).__name__}, not a pair (train_set, val_set)")
+        raise UserError(f"{source} returned a {type(sets).__name__}, not a pair (train_set, val_set): return both")
     for split, data in zip(("train", "val"), sets):
         mapped = hasattr(data, "__len__") and hasattr(data, "__getitem__")
         if not mapped or isinstance(data, torch.utils.data.IterableDataset):
             raise UserError(f"{source}: its {split} set, a {type(data).__name__}, is not a map-style dataset "
-                            f"(__len__ and __getitem__)")
+                            f"(__len__ and __getitem__, which the samplers shard by): give it both")
         try:
             size = len(data)
         except (TypeError, ValueError) as e:  # a __len__ that returns a float, or a negative number
             raise UserError(f"{source}: its {split} set's len() fails ({e}): return the number of items") from None
         if size == 0:
-            raise UserError(f"{source}: its {split} set is empty")
+            raise UserError(f"{source}: its {split} set is empty: give it samples")
     try:
         own = class_count(sets[0])
     except TypeError:  # classes that have no len(): an iterator
@@ -1816,9 +1816,12 @@ def check_datasets(sets, args):
             raise UserError(f"{source}: its {split} set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})"
                             ) from None
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
+            pair = isinstance(item, (tuple, list)) and len(item) == 2  # an input of another type: a PIL image, numpy
             parts = f" {tuple(type(x).__name__ for x in item)}" if isinstance(item, (tuple, list)) else ""
+            fix = ("return the input as a tensor (torch.from_numpy(array), v2.functional.pil_to_tensor(image))"
+                   if pair else "return (input, label) pairs")
             raise UserError(f"{source}: an item of its {split} set is {type(item).__name__}{parts}, "
-                            f"not (input tensor, label)")
+                            f"not (input tensor, label): {fix}")
         inputs[split], label = item
         shape = "x".join(map(str, inputs[split].shape))
         if inputs[split].dtype == torch.uint8 and (inputs[split].ndim != 3 or inputs[split].shape[0] not in channels):

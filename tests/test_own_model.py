@@ -173,6 +173,20 @@ def not_a_pair(args):
     return Table(192, 0)
 
 
+class NumpyRows(Table):
+    def __getitem__(self, index):
+        row, label = super().__getitem__(index)
+        return row.numpy(), label
+
+
+def numpy_rows(args):
+    return NumpyRows(192, 0), NumpyRows(40, 1)
+
+
+def no_val(args):
+    return Table(192, 0), Table(0, 1)
+
+
 def not_a_module(num_classes):
     return {"weights": None}
 
@@ -549,19 +563,26 @@ BAD = {
     "not a module": (["--dataset", "mine:table", "-a", "mine:not_a_module"],
                      r"--arch mine:not_a_module returned a dict, not a torch.nn.Module"),
     "not a pair": (["--dataset", "mine:not_a_pair", "-a", "mine:mlp"],
-                   r"--dataset mine:not_a_pair returned a Table, not a pair \(train_set, val_set\)"),
+                   r"--dataset mine:not_a_pair returned a Table, not a pair \(train_set, val_set\): return both$"),
     "inputs of the wrong shape": (["--dataset", "mine:short_rows", "-a", "mine:mlp"],
                                   r"--arch mine:mlp does not take the data's inputs \(7 float32\): "),
     "val inputs unlike the train inputs": (["--dataset", "mine:short_val_rows", "-a", "mine:mlp"],
                                            r"its train inputs are float32 20, its val inputs float32 7: give both one "
                                            r"dtype and one number of channels"),
     "an iterable dataset": (["--dataset", "mine:iterable", "-a", "mine:mlp"],
-                            r"--dataset mine:iterable: its train set, a Stream, is not a map-style dataset"),
+                            r"--dataset mine:iterable: its train set, a Stream, is not a map-style dataset "
+                            r"\(__len__ and __getitem__, which the samplers shard by\): give it both$"),
     "a training item that is no pair": (["--dataset", "mine:holes", "-a", "mine:mlp"],
                                         r"the data's items differ within a batch .*or are not \(input, label\) pairs"),
     "validation items that are inputs alone": (["--dataset", "mine:unlabelled", "-a", "mine:mlp"],
                                               r"--dataset mine:unlabelled: an item of its val set is Tensor, not "
-                                              r"\(input tensor, label\)"),
+                                              r"\(input tensor, label\): return \(input, label\) pairs$"),
+    "an empty validation set": (["--dataset", "mine:no_val", "-a", "mine:mlp"],
+                                r"--dataset mine:no_val: its val set is empty: give it samples$"),
+    "numpy inputs": (["--dataset", "mine:numpy_rows", "-a", "mine:mlp"],
+                     r"--dataset mine:numpy_rows: an item of its train set is tuple \('ndarray', 'int'\), not \(input "
+                     r"tensor, label\): return the input as a tensor \(torch.from_numpy\(array\), "
+                     r"v2.functional.pil_to_tensor\(image\)\)$"),
     "a mean and std that are no numbers": (["--dataset", "mine:words_as_mean", "-a", "mine:mlp"],
                                            r"its train set's mean '0.5' and std '0.2' need one number per channel "
                                            r"each, every std above 0"),
