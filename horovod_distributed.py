@@ -430,6 +430,8 @@ def main_worker(args, local_index=None):
         moved = "" if args.evaluate or ckpt.get("world_size") == world_size else (  # a job resized, a node lost
             f", world size {ckpt.get('world_size')} -> {world_size}: the same samples, fresh random states")
         log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)}){moved}")
+        if ckpt.get("model_ema") and not (ema or args.evaluate):  # [ema]
+            log("note: the checkpoint's --model-ema average is dropped: add --model-ema to keep it")  # [ema]
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
     if args.compile:  # [compile]

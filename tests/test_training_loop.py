@@ -5,6 +5,7 @@ and --profile (a trace, a summary whose parts add up)."""
 import json
 import math
 import re
+import shutil
 import signal
 import types
 
@@ -167,7 +168,8 @@ EMA = [*RESUME, "--model-ema", "--model-ema-decay", "0.5", "--model-ema-steps", 
 def test_model_ema_is_the_average_of_the_epochs_weights_and_resumes_bit_for_bit(image_data, tmp_path):
     """One update at each epoch's end, with decay 0.5: the average is that of the initial weights and the three
     checkpoints' (parameters and rank 0's BatchNorm statistics). A run resumed after every epoch ends with the
-    uninterrupted run's average, bit for bit; the average is evaluated (metrics.jsonl, TensorBoard) and with -e."""
+    uninterrupted run's average, bit for bit; the average is evaluated (metrics.jsonl, TensorBoard) and with -e. A run
+    resumed without --model-ema says that it drops the average."""
     whole = ok(torchrun(SCRIPT, 2, image_data, *EMA, "--epochs", "3", "--output-dir", tmp_path / "whole"))
     weights = []
     for epochs in (1, 2, 3):
@@ -192,6 +194,11 @@ def test_model_ema_is_the_average_of_the_epochs_weights_and_resumes_bit_for_bit(
                           tmp_path / "whole" / "checkpoint.pth.tar"))
     ema_line = re.search(r"^val ema: loss ([\d.]+) acc1 ([\d.]+)", evaluated.output, re.M)
     assert ema_line and float(ema_line[1]) == pytest.approx(rows[-1]["val_loss_ema"], abs=1e-6), evaluated.output
+    (tmp_path / "plain").mkdir()  # resumed without --model-ema: the average is dropped, and the run says so
+    shutil.copy(tmp_path / "whole" / "checkpoint.pth.tar", tmp_path / "plain")
+    plain = ok(python(SCRIPT, image_data, *RESUME, "--epochs", "4", "--resume", "auto", "--output-dir",
+                      tmp_path / "plain"))
+    assert "note: the checkpoint's --model-ema average is dropped: add --model-ema to keep it" in plain.output
 
 
 def test_a_preempted_run_with_every_loop_flag_resumes_bit_for_bit(image_data, tmp_path):
