@@ -205,7 +205,7 @@ def build_datasets(args):
         try:
             sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
         except FileNotFoundError as e:
-            raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs at least one image") from None
+            raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs an image it can read") from None
     if sets[0].classes != sets[1].classes:  # [safety]
         raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")  # [safety]
     return sets
@@ -2021,7 +2021,8 @@ def check_ranks_agree(args, sets, ckpt):
     other = next((rank for rank, theirs in enumerate(views) if theirs != views[0]), None)  # the same on every rank
     if other is None:
         return
-    apart = [key for key in view if views[other].get(key) != views[0].get(key)][:4]  # the first few, in one line
+    keys = {**views[0], **views[other]}  # rank 0's order first, the same on every rank
+    apart = [key for key in keys if views[other].get(key) != views[0].get(key)][:4]  # the first few, in one line
     seen = "; ".join(f"rank {rank}: " + ", ".join(key.format(views[rank].get(key, "none")) for key in apart)
                      for rank in (0, other))
     fix = "start every node with the same script, torch, flags and data"

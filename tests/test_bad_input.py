@@ -96,7 +96,7 @@ CASES = {
     "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],
                       r"val not found: DIR must hold train/ and val/"),
     "empty class folder": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class9").mkdir())],
-                           r"Found no valid file for the classes class9.*needs at least one image"),
+                           r"Found no valid file for the classes class9.*needs an image it can read$"),
     "corrupt JPEG on one of two ranks": (2, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x)
                                                                       .write_bytes(b"junk"))],
                                          r"cannot read image .*class0/0000.JPEG .*replace or remove the file"),
