@@ -57,7 +57,6 @@ from PIL import Image
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.optim import swa_utils  # [ema]
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
-from torch.utils.tensorboard import SummaryWriter  # [logs]
 from torchvision.transforms import v2
 
 try:  # [fast-decode]
@@ -480,7 +479,7 @@ def main_worker(args, local_index=None):
                **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if key in val},  # [ema]
                **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {}),  # [clip-grad-norm]
                "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
-        if writer:  # [logs]
+        if writer is not None:  # [logs]
             write_epoch(row, writer, args.output_dir)  # [logs]
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
             f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}"
@@ -1445,9 +1444,15 @@ class ImageCrops(Dataset):
 # endregion [spec]
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
-    """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on."""
+    """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on. False
+    without the tensorboard package, an optional one: metrics.jsonl alone."""
     if rank != 0:
         return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("note: no TensorBoard logs (no tensorboard package: pip install tensorboard); metrics.jsonl has them")
+        return False
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
     atexit.register(writer.close)
     return writer
@@ -1457,6 +1462,8 @@ def write_epoch(row, writer, output_dir):
     """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
+    if not writer:  # False: no tensorboard package
+        return
     for key, value in row.items():
         if key != "epoch":
             writer.add_scalar(key, value, row["epoch"])
@@ -1474,8 +1481,22 @@ def write_epoch(row, writer, output_dir):
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+TORCH_MIN = (2, 7)  # the oldest torch the tests pass on (requirements.txt): older ones lack calls the scripts make
+
+
+def check_torch():
+    """Refuses a torch older than TORCH_MIN, which would fail mid-run (or at the end) on a missing call. By the
+    release number alone: NVIDIA's containers call theirs 2.7.0a0+..., a pre-release of 2.7 to pip."""
+    have = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if have < TORCH_MIN:
+        need = ".".join(map(str, TORCH_MIN))
+        raise UserError(f"torch {torch.__version__} is older than this script needs ({need}): install torch {need} "
+                        f"or newer, the build for your CUDA driver (pip install -U torch torchvision)")
+
+
 def check_args(args):
     """The flags together and the model's name, right after parsing (each flag's range: parse_args)."""
+    check_torch()
     if ":" not in args.arch and args.arch not in MODEL_NAMES:
         raise UserError(f"unknown --arch {args.arch!r}: use a torchvision classification model, e.g. resnet50 "
                         f"(torchvision.models.list_models() has {len(MODEL_NAMES)}), or your own as MODULE:FUNCTION")

@@ -65,7 +65,6 @@ import torch.nn.functional as F
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torch.utils.tensorboard import SummaryWriter  # [logs]
 
 try:
     import tifffile
@@ -366,6 +365,7 @@ def main_worker(args, local_index=None):
         if writer:  # [logs]
             for name, picture in zip(("val/input", "val/ground_truth", "val/prediction"), slices):  # [logs]
                 writer.add_image(name, picture, epoch, dataformats="HW")  # [logs]
+        if writer is not None:  # [logs]
             write_epoch(row, writer, args.output_dir)  # [logs]
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
             f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
@@ -1133,9 +1133,15 @@ def print_or_drop(*values):
 # endregion [preemption]
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
-    """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on."""
+    """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on. False
+    without the tensorboard package, an optional one: metrics.jsonl alone."""
     if rank != 0:
         return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("note: no TensorBoard logs (no tensorboard package: pip install tensorboard); metrics.jsonl has them")
+        return False
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
     atexit.register(writer.close)
     return writer
@@ -1145,6 +1151,8 @@ def write_epoch(row, writer, output_dir):
     """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
+    if not writer:  # False: no tensorboard package
+        return
     for key, value in row.items():
         if key != "epoch":
             writer.add_scalar(key, value, row["epoch"])
@@ -1188,9 +1196,23 @@ def check_address(address, named):
         raise RankError(f"{named} does not resolve ({e.strerror}): give the address of the node of rank 0") from None
 
 
+TORCH_MIN = (2, 7)  # the oldest torch the tests pass on (requirements.txt): older ones lack calls the scripts make
+
+
+def check_torch():
+    """Refuses a torch older than TORCH_MIN, which would fail mid-run (or at the end) on a missing call. By the
+    release number alone: NVIDIA's containers call theirs 2.7.0a0+..., a pre-release of 2.7 to pip."""
+    have = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if have < TORCH_MIN:
+        need = ".".join(map(str, TORCH_MIN))
+        raise UserError(f"torch {torch.__version__} is older than this script needs ({need}): install torch {need} "
+                        f"or newer, the build for your CUDA driver (pip install -U torch torchvision)")
+
+
 def check_args(args):
     """What no single flag's range says: the flags together. With the ranges in parse_args, every value is
     checked here, right after parsing, before any process waits for another."""
+    check_torch()
     if args.epochs == 0 and not args.evaluate:
         raise UserError("--epochs 0 trains nothing: give at least 1, or -e to evaluate a checkpoint")
     if any(p % 2 ** (args.depth - 1) for p in args.patch_size):

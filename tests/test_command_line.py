@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, import_script
+from conftest import FAST, OUTPUT_FILES, ROOT, import_script, metrics
 
 pytestmark = pytest.mark.quick
 SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
@@ -99,6 +99,49 @@ def test_one_line_and_exit_code_2_from_the_command_line(tmp_path):
                           text=True, cwd=tmp_path)
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr == "error: argument --lr: -1 is out of range: give a number >= 0 (see --help)\n"
+
+
+def test_a_torch_older_than_the_tests_pass_on_is_one_line(script, monkeypatch):
+    """requirements.txt's lower bound, checked first: torch 2.4 ran distributed.py, then failed in apex_distributed.py
+    (no register_state_dict_post_hook), at the end of multiprocessing_distributed.py (join's grace_period), and at the
+    import of fsdp_distributed.py; 2.6 ran FSDP2 on GPUs only. NVIDIA's containers number theirs 2.7.0a0+..."""
+    monkeypatch.setattr(script.torch, "__version__", "2.6.0+cu124")
+    with pytest.raises(script.UserError, match=r"^torch 2\.6\.0\+cu124 is older than this script needs \(2\.7\): "
+                                               r"install torch 2\.7 or newer"):
+        script.parse_args(base_args(script))
+    monkeypatch.setattr(script.torch, "__version__", "2.7.0a0+79aa17489c.nv25.04")
+    assert script.parse_args(base_args(script))
+
+
+def run_after(setup, script_name, *args, cwd):
+    """`python SCRIPT ARGS`, with the Python `setup` run first in the same process (to take a package away)."""
+    run = (f"import runpy, sys, torch; {setup}; sys.argv[:] = sys.argv[1:]; "
+           f"runpy.run_path(sys.argv[0], run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", run, ROOT / script_name, *args], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+@pytest.mark.parametrize("script_name, setup, said", [
+    ("distributed.py", "torch.__version__ = '2.4.1+cu121'", "torch 2.4.1+cu121 is older than this script needs (2.7)"),
+    ("horovod_distributed.py", "sys.modules['horovod'] = None", "cannot import horovod.torch (No module named "),
+])
+def test_an_old_torch_or_no_horovod_from_the_command_line(script_name, setup, said, tmp_path):
+    """The whole way, for what the environment lacks: a torch too old, Horovod not installed (None in sys.modules:
+    its import fails as if it were missing). One line, exit code 2, before any work."""
+    done = run_after(setup, script_name, "--dummy", cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.startswith(f"error: {said}") and done.stderr.count("\n") == 1, done
+
+
+def test_without_tensorboard_a_run_writes_metrics_jsonl_alone(tmp_path):
+    """TensorBoard is optional, as torchcodec is: without its package a run says so once and logs metrics.jsonl (it
+    stopped at the import, in a traceback)."""
+    done = run_after("sys.modules['tensorboard'] = None", "distributed.py", "--dummy", "--dummy-size", "64", *FAST,
+                     "-j", "1", "--epochs", "1", cwd=tmp_path)
+    assert done.returncode == 0, done
+    assert "note: no TensorBoard logs (no tensorboard package: pip install tensorboard)" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "output").iterdir()) == [f for f in OUTPUT_FILES if f != "tb"]
+    assert [row["epoch"] for row in metrics(tmp_path / "output")] == [0]
 
 
 # the flags of pytorch/examples' imagenet and torch.distributed.launch that a script takes as its own
