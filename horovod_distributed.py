@@ -1941,11 +1941,13 @@ def check_items(samples, num_classes):
 
 
 def check_finite(summary, first_bad, epoch):
-    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step."""
+    """Stops every rank (they all see the same summary) when a loss was NaN/inf, naming the first such step. At the
+    first step no update has happened yet: the learning rate is not the cause there."""
     if summary["nonfinite"]:
         step = min(s for s in gather_objects(int(first_bad)) if s >= 0)
-        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: "
-                        f"lower --lr, add --warmup-epochs, or check the data")
+        fix = ("it came before any update, from the model or the data: check them (on a GPU, --deterministic turns "
+               "cuDNN's autotuner off)" if epoch == step == 0 else "lower --lr, add --warmup-epochs, or check the data")
+        raise UserError(f"loss became NaN/inf at epoch {epoch} step {step}; stopped without saving it: {fix}")
 
 
 # F.linear's, a convolution's, a norm's words for a model and inputs of other dtypes, or on other devices

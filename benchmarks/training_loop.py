@@ -65,6 +65,7 @@ def main():
     for _ in range(args.rounds):
         for name in args.variants:
             runs[name].append(img_per_s(args, VARIANTS[name]))
+            print(f"{name}: {runs[name][-1]} img/s", flush=True)  # as it goes: a run cut short still shows these
     base = statistics.median(runs["baseline"]) if "baseline" in runs else None
     print(f"{'variant':<16} {'img/s':>8} {'x baseline':>11}   flags")
     for name, values in runs.items():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance suite (tests/gpu): every script under its own launcher on this machine's NVIDIA GPUs, NCCL,
 # fp16/bf16, channels-last, SyncBatchNorm, two ranks on one GPU, checkpoints across devices, every torchvision
-# model. Runs with the Python on PATH (or $PYTHON) and the torch already installed there (torch >= 2.4 with
+# model. Runs with the Python on PATH (or $PYTHON) and the torch already installed there (torch >= 2.9 with
 # CUDA, torchvision, tensorboard, pytest, psutil); it installs nothing. scripts/gpu_suite.py runs the cases as
 # concurrent pytest processes (--jobs, default half the cores, at most 8) and ends with one line:
 # "test_gpu: N passed, M failed, K skipped in X s". Other arguments go to pytest.
@@ -33,8 +33,8 @@ except Exception as e:
     sys.exit(f"test_gpu: cannot import torch {where} ({type(e).__name__}: {reason}); "
              f"set PYTHON to a Python whose torch is built for CUDA")
 version = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
-if version < (2, 4):
-    sys.exit(f"test_gpu: torch {torch.__version__} {where} is older than 2.4, the oldest the scripts support "
+if version < (2, 9):
+    sys.exit(f"test_gpu: torch {torch.__version__} {where} is older than 2.9, the oldest the scripts support "
              f"(requirements.txt)")
 needed = ("torchvision", "tensorboard", "PIL", "pytest", "psutil")
 missing = [m for m in needed if importlib.util.find_spec(m) is None]

@@ -256,6 +256,17 @@ def eval_pair(num_classes):
     return EvalPair(num_classes)
 
 
+class LogMLP(MLP):
+    """The logarithm of its logits: NaN from its first forward pass on, before any update."""
+
+    def forward(self, x):
+        return super().forward(x).log()
+
+
+def log_mlp(num_classes):
+    return LogMLP(num_classes)
+
+
 def sparse_mlp(num_classes):
     model = MLP(num_classes)
     model.lookup = nn.Embedding(4, 4, sparse=True)
@@ -608,6 +619,10 @@ BAD = {
                                                     r"--arch mine:eval_pair in eval mode \(model.eval\(\), as "
                                                     r"evaluation runs it\): it returns tuple, not logits; return the "
                                                     r"logits it returns in training"),
+    "a model whose first loss is NaN": (["--dataset", "mine:table", "-a", "mine:log_mlp"],
+                                        r"loss became NaN/inf at epoch 0 step 0; stopped without saving it: it came "
+                                        r"before any update, from the model or the data: check them \(on a GPU, "
+                                        r"--deterministic turns cuDNN's autotuner off\)$"),
     "a train set whose order outgrows memory": (["--dataset", "mine:endless", "-a", "mine:mlp"],
                                                 r"^error: 1000000000000 training samples: an epoch's order of them, a "
                                                 r"list in memory, takes \d+ GiB, more than this machine's \d+ GiB: "

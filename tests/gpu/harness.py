@@ -8,6 +8,7 @@ GPU_SUITE_ON_CPU=1 runs the suite's code on the CPU where a case permits (gloo f
 import contextlib
 import fcntl
 import functools
+import math
 import os
 import re
 import shutil
@@ -229,12 +230,13 @@ def preempt_line(script):
 # Assertions
 # ---------------------------------------------------------------------------------------------------------------
 def assert_trains(out, epochs, min_acc1=None):
-    """A run that trains: one metrics row per epoch, finite losses, the training loss falling, and with
-    `min_acc1` a validation accuracy that reaches it (the image folder has 4 classes: chance is 25%)."""
+    """A run that trains: one metrics row per epoch, finite losses, the training loss falling or already at half of
+    chance's (ln 4: a run that learned in its first epoch, then wobbles), and with `min_acc1` a validation accuracy
+    that reaches it (the image folder has 4 classes: chance is 25%)."""
     rows = metrics(out)
     assert [r["epoch"] for r in rows] == list(range(epochs)), rows
     assert all(r[k] == r[k] and abs(r[k]) != float("inf") for r in rows for k in ("train_loss", "val_loss")), rows
-    assert rows[-1]["train_loss"] < rows[0]["train_loss"], rows
+    assert rows[-1]["train_loss"] < max(rows[0]["train_loss"], math.log(4) / 2), rows
     if min_acc1 is not None:
         assert max(r["val_acc1"] for r in rows) >= min_acc1, rows
     return rows
