@@ -1805,6 +1805,13 @@ def check_datasets(sets, args):
             raise UserError(f"{source}: its {split} set's len() fails ({e}): return the number of items") from None
         if size == 0:
             raise UserError(f"{source}: its {split} set is empty: give it samples")
+        if isinstance(data, torchvision.datasets.DatasetFolder):  # ImageFolder follows links: one looping back
+            folders = {}
+            for folder in sorted({os.path.dirname(path) for path, _ in data.samples}):
+                first = folders.setdefault(os.path.realpath(folder), folder)
+                if first != folder:
+                    raise UserError(f"{folder} is {first} again, through a symbolic link: the {split} set would hold "
+                                    f"its images twice; remove the link")
     try:
         own = class_count(sets[0])
     except TypeError:  # classes that have no len(): an iterator

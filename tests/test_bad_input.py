@@ -97,6 +97,10 @@ CASES = {
                       r"val not found: DIR must hold train/ and val/"),
     "empty class folder": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class9").mkdir())],
                            r"Found no valid file for the classes class9.*needs an image it can read$"),
+    "a symbolic link that loops back": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class1" / "up")
+                                                          .symlink_to(".."))],
+                                        r"^error: .*/train/class1/up/class0 is .*/train/class0 again, through a "
+                                        r"symbolic link: the train set would hold its images twice; remove the link$"),
     "corrupt JPEG on one of two ranks": (2, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x)
                                                                       .write_bytes(b"junk"))],
                                          r"cannot read image .*class0/0000.JPEG .*replace or remove the file"),
