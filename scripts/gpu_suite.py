@@ -28,8 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # seconds per case (the first pattern that matches its id), what groups and shards are cut by: the mean measured on
-# one H200 with 8 jobs (2026-11-26), apex's cross-device cases their longest (its CPU half trains O2 in fp32)
-COSTS = [(r"test_models\.py", 6), (r"test_compile_on_the_gpu", 40), (r"gives_the_bits|cuda_tensors_are_saved", 5),
+# one H200 with 8 jobs (2026-11-26; the model cases, which now save the weights they evaluate, 2026-11-28), apex's
+# cross-device cases their longest (its CPU half trains O2 in fp32)
+COSTS = [(r"test_models\.py", 10), (r"test_compile_on_the_gpu", 40), (r"gives_the_bits|cuda_tensors_are_saved", 5),
          (r"cross_device.*apex", 95), (r"sigterm|cross_device|shared_gpu|multi_gpu", 25), (r"", 16)]
 GROUPS_PER_JOB = 3  # more groups than jobs: a slow group then holds up one job, not the end of the run
 GRACE = 30  # seconds an interrupted group has to end its launches before it is killed
