@@ -2043,12 +2043,15 @@ PER_NODE = {"data", "output_dir", "resume", "workers", "local_rank", "node_rank"
 
 def check_ranks_agree(args, sets, ckpt):
     """Once the process group is up, the ranks compare what every node must have alike: the script, torch, the flags
-    (PER_NODE's aside), the data's sizes, the checkpoint found. Apart, they would hang at the first collective that
-    one of them skips (another epoch length), or train apart without a word (another --lr on one node)."""
+    (PER_NODE's aside), the data's sizes and labels (an image folder's class names and each image's label: a copy of
+    it on every node), the checkpoint found. Apart, they would hang at the first collective that one of them skips
+    (another epoch length), or train apart without a word (another --lr, or other labels, on one node)."""
     with open(__file__, "rb") as f:
         view = {"script sha256 {}": hashlib.sha256(f.read()).hexdigest()[:12], "torch {}": torch.__version__}
     view.update({f"--{name.replace('_', '-')} {{}}": v for name, v in vars(args).items() if name not in PER_NODE})
+    labels = repr([getattr(data, name, None) for data in sets for name in ("classes", "targets")]).encode()
     view.update({"{} training samples": len(sets[0]), "{} validation samples": len(sets[1]),
+                 "labels sha256 {}": hashlib.sha256(labels).hexdigest()[:12],
                  "checkpoint {}": f"epoch {ckpt.get('epoch', 0)} step {ckpt.get('step', 0)}" if ckpt else "none"})
     views = gather_objects(view)
     other = next((rank for rank, theirs in enumerate(views) if theirs != views[0]), None)  # the same on every rank

@@ -5,6 +5,7 @@ checkpoints stop with one line on each node, and two nodes train exactly as two 
 jobs (--nnodes=1:2 --max-restarts=3, as the README's "Nodes come and go" starts them): a node lost mid-epoch
 leaves the other to finish alone, a node added mid-epoch makes both go on together, from the same step."""
 import contextlib
+import hashlib
 import re
 import shutil
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from torchvision.datasets import ImageFolder
 
 from conftest import (EPOCHS, FAST, LOOP, RESUME, ROOT, TORCHRUN_CMD, Job, assert_same_loop, assert_same_run,
                       error_lines, free_port, metrics, ok, two_nodes)
@@ -63,13 +65,18 @@ def test_ranks_that_find_different_checkpoints_stop_with_one_line_per_node(image
 
 
 def test_nodes_given_other_flags_or_data_stop_with_one_line_per_node(image_data, tmp_path):
-    """Node 1 has a copy of the data that lacks 4 training images, and another --lr: the epochs would have other
-    lengths, and the job hang at an all-reduce one rank skips (here gloo aborted on a collective mismatch); another
-    --lr alone trains each rank's weights apart without a word. Flags that may differ per node (-j, the data's
-    path) are not compared."""
+    """Node 1 has a copy of the data that lacks 4 training images and names a class otherwise, and another --lr: the
+    epochs would have other lengths, and the job hang at an all-reduce one rank skips (here gloo aborted on a
+    collective mismatch); another --lr, or other labels, alone train each rank apart without a word. Flags that may
+    differ per node (-j, the data's path) are not compared."""
     shutil.copytree(image_data, tmp_path / "data1")
     for image in sorted((tmp_path / "data1" / "train").rglob("*.JPEG"))[:4]:
         image.unlink()
+    for split in ("train", "val"):
+        (tmp_path / "data1" / split / "class3").rename(tmp_path / "data1" / split / "class9")
+    labels = [hashlib.sha256(repr([getattr(ImageFolder(Path(data) / split), name) for split in ("train", "val")
+                                   for name in ("classes", "targets")]).encode()).hexdigest()[:12]
+              for data in (image_data, tmp_path / "data1")]
     jobs = two_nodes("distributed.py", *FAST, "--epochs", "1", "--output-dir", tmp_path / "out",
                      node_args=lambda node: [image_data, "-j", "0"] if node == 0 else [
                          tmp_path / "data1", "-j", "1", "--lr", "0.01"])
@@ -78,8 +85,9 @@ def test_nodes_given_other_flags_or_data_stop_with_one_line_per_node(image_data,
         job.finish(120)
         assert job.returncode != 0, job.output
         assert error_lines(job.output) == [
-            f"error: the ranks differ (rank 0: --lr 0.005, {train} training samples; rank 1: --lr 0.01, {train - 4} "
-            f"training samples): start every node with the same script, torch, flags and data"], job.output
+            f"error: the ranks differ (rank 0: --lr 0.005, {train} training samples, labels sha256 {labels[0]}; rank "
+            f"1: --lr 0.01, {train - 4} training samples, labels sha256 {labels[1]}): start every node with the same "
+            f"script, torch, flags and data"], job.output
     assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
 
