@@ -2045,7 +2045,8 @@ def check_ranks_agree(args, sets, ckpt):
     with open(__file__, "rb") as f:
         view = {"script sha256 {}": hashlib.sha256(f.read()).hexdigest()[:12], "torch {}": torch.__version__}
     view.update({f"--{name.replace('_', '-')} {{}}": v for name, v in vars(args).items() if name not in PER_NODE})
-    labels = repr([getattr(data, name, None) for data in sets for name in ("classes", "targets")]).encode()
+    pairs = [[getattr(data, name, None) for name in ("classes", "targets")] for data in sets]  # ImageFolder's: lists
+    labels = repr([pair for pair in pairs if all(isinstance(x, list) for x in pair)]).encode()  # (a set's order varies)
     view.update({"{} training samples": len(sets[0]), "{} validation samples": len(sets[1]),
                  "labels sha256 {}": hashlib.sha256(labels).hexdigest()[:12],
                  "checkpoint {}": f"epoch {ckpt.get('epoch', 0)} step {ckpt.get('step', 0)}" if ckpt else "none"})

@@ -74,9 +74,9 @@ def test_nodes_given_other_flags_or_data_stop_with_one_line_per_node(image_data,
         image.unlink()
     for split in ("train", "val"):
         (tmp_path / "data1" / split / "class3").rename(tmp_path / "data1" / split / "class9")
-    labels = [hashlib.sha256(repr([getattr(ImageFolder(Path(data) / split), name) for split in ("train", "val")
-                                   for name in ("classes", "targets")]).encode()).hexdigest()[:12]
-              for data in (image_data, tmp_path / "data1")]
+    labels = [hashlib.sha256(repr([[folder.classes, folder.targets] for folder in (
+        ImageFolder(Path(data) / "train"), ImageFolder(Path(data) / "val"))]).encode()).hexdigest()[:12]
+        for data in (image_data, tmp_path / "data1")]
     jobs = two_nodes("distributed.py", *FAST, "--epochs", "1", "--output-dir", tmp_path / "out",
                      node_args=lambda node: [image_data, "-j", "0"] if node == 0 else [
                          tmp_path / "data1", "-j", "1", "--lr", "0.01"])
