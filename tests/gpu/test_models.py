@@ -16,11 +16,11 @@ from conftest import import_script
 from .harness import DEVICE, ON_CPU
 
 MODELS = sorted(torchvision.models.list_models(module=torchvision.models))
-# on the CPU, a sample: small models, the two with auxiliary classifiers, a fixed-size transformer
 # under bf16 on an H100 and an H200, a NaN loss at its first step when other regnet_x models trained before it in the
 # same process; alone, or in that order with cuDNN's autotuner off, it trains: where it happens, the script must stop
 # with its line for a NaN before any update
 AUTOTUNER_NAN = {"regnet_x_3_2gf"}
+# on the CPU, a sample: small models, the two with auxiliary classifiers, a fixed-size transformer
 CPU_SAMPLE = ["alexnet", "efficientnet_b0", "googlenet", "inception_v3", "mobilenet_v3_small", "regnet_x_400mf",
               "resnet18", "shufflenet_v2_x0_5", "squeezenet1_1", "swin_t"]
 
