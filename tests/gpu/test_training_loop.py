@@ -10,7 +10,7 @@ import torchvision
 from conftest import EPOCHS, FAST, ok, python
 
 from .harness import (APEX, CUDA_ONLY, DATAPARALLEL, DEVICE, DISTRIBUTED, FP16, GPUS, HALF, HOROVOD, ON_CPU, SLURM,
-                      SPAWN, assert_trains, checkpoint_of, cuda_only, horovod_missing, launch)
+                      SPAWN, assert_exit_2, assert_trains, checkpoint_of, cuda_only, horovod_missing, launch)
 
 LOOP = ["--grad-accum-steps", "2", "--clip-grad-norm", "1", "--label-smoothing", "0.1", "--model-ema",
         "--model-ema-decay", "0.9"]
@@ -68,4 +68,4 @@ def test_a_batch_too_large_for_the_gpu_is_one_line_naming_the_sizes(script, tmp_
     line = (r"^error: out of memory on this rank \(Tried to allocate [\d.]+ [GM]iB; GPU 0 has a total capacity of "
             r"[\d.]+ GiB of which .* is free\): use a smaller -b/--batch-size")
     assert re.search(line, job.output, re.M), job.output
-    assert job.returncode != 0 and "Traceback" not in job.output, job.output
+    assert_exit_2(job)
