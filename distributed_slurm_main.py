@@ -1131,9 +1131,11 @@ def load_pretrained(model, args):
     weights = torchvision.models.get_model_weights(args.arch).DEFAULT
     try:
         pretrained = weights.get_state_dict(progress=False)
-    except Exception as e:  # offline, a proxy, a broken download: all mean the same to the user
-        raise UserError(f"cannot load pretrained weights {weights.url} ({e}): check network access, or put "
-                        f"the file into $TORCH_HOME/hub/checkpoints/") from None
+    except Exception as e:  # offline, a proxy, a broken download or copy
+        path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
+        fix = (f"delete {path}, and the next run downloads it again" if os.path.isfile(path) else
+               f"check network access, or put the file into {os.path.dirname(path)}/")
+        raise UserError(f"cannot load pretrained weights {weights.url} ({e}): {fix}") from None
     own = model.state_dict()
     model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape}, strict=False)
 # endregion [pretrained]

@@ -254,7 +254,7 @@ CASES = {
                          r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
     "pretrained weights out of reach": (1, lambda d, t: [d, "--pretrained"],
                                         r"cannot load pretrained weights .*resnet18-.*\.pth.*"
-                                        r"put the file into \$TORCH_HOME/hub/checkpoints/",
+                                        r"put the file into /nonexistent/hub/checkpoints/$",
                                         {"TORCH_HOME": "/nonexistent"}),
 }
 

@@ -102,6 +102,17 @@ def test_pretrained_weights_come_through_the_torchvision_api(image_data, tmp_pat
     assert loaded["fc.weight"].shape == (4, 512)
 
 
+def test_pretrained_weights_damaged_in_the_cache_are_one_line_naming_the_file(image_data, tmp_path):
+    """A file in torchvision's cache that does not load (a broken copy): the line says which file to delete."""
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    damaged = cache / Path(torchvision.models.ResNet18_Weights.DEFAULT.url).name
+    damaged.write_bytes(b"not a checkpoint")
+    job = python(SCRIPT, image_data, *FAST, "--pretrained", "--output-dir", tmp_path / "out",
+                 env={"TORCH_HOME": tmp_path / "torch"}).finish(120)
+    assert_one_clear_line(job, f"cannot load pretrained weights .*: delete {damaged}, and the next run downloads it")
+
+
 def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninterrupted):
     ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))
     job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
