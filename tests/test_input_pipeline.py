@@ -57,6 +57,21 @@ def test_every_kind_of_file_loads_as_the_same_rgb_pixels_with_either_decoder(kin
     assert image.dtype == torch.uint8 and image.shape == (3, 60, 80) and torch.equal(image, expected)
 
 
+def test_pixels_wider_than_8_bits_are_scaled_or_refused_never_clipped(script, tmp_path):
+    """PIL's RGB conversion clips: a 16-bit gray PNG's gradient came out almost white (mean 254 of 255), a float
+    TIFF's values in [0, 1] black. 16 bits keep their top 8; 32-bit pixels, whose range is unknown, are refused."""
+    gradient = np.arange(0, 65536, 64, dtype=np.uint16).reshape(32, 32)
+    Image.fromarray(gradient).save(tmp_path / "gray16.png")
+    image = script.load_image(str(tmp_path / "gray16.png"))
+    assert image.dtype == torch.uint8 and torch.equal(image, torch.from_numpy(gradient >> 8).byte().expand(3, -1, -1))
+    Image.fromarray(np.linspace(0, 1, 1024, dtype=np.float32).reshape(32, 32)).save(tmp_path / "float.tif")
+    Image.fromarray(np.arange(1024, dtype=np.int32).reshape(32, 32) * 99).save(tmp_path / "int.tif")
+    for name in ("float.tif", "int.tif"):
+        with pytest.raises(script.RankError, match=rf"cannot read image .*{name} \(its 32-bit pixels \(PIL mode "
+                                                     r"[IF]\) have no range to scale to 8 bits\): replace or remove"):
+            script.load_image(str(tmp_path / name))
+
+
 class Unloadable(types.ModuleType):
     """A module whose every name raises `error`, as a library built for another torch does when it loads."""
     def __init__(self, error):
