@@ -1726,6 +1726,8 @@ def check_model(args, num_classes=1000, example=None):
             return str(e).strip().splitlines()[-1][:200] if known or e is getattr(calls, "refused", None) else None
         if not isinstance(output, torch.Tensor):
             return f"it returns {type(output).__name__}, not logits"
+        if not output.is_floating_point():  # cross-entropy and backward need floats
+            return f"its logits are {str(output.dtype).replace('torch.', '')}, not floating point"
         wide = "x".join(map(str, output.shape)) or "a scalar"
         return None if tuple(output.shape) == (2, num_classes) else f"its logits are {wide}, not 2x{num_classes}"
 

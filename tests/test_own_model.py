@@ -267,6 +267,17 @@ def log_mlp(num_classes):
     return LogMLP(num_classes)
 
 
+class IntMLP(MLP):
+    """Logits as integers, through which no gradient flows."""
+
+    def forward(self, x):
+        return super().forward(x).long()
+
+
+def int_mlp(num_classes):
+    return IntMLP(num_classes)
+
+
 def sparse_mlp(num_classes):
     model = MLP(num_classes)
     model.lookup = nn.Embedding(4, 4, sparse=True)
@@ -619,6 +630,9 @@ BAD = {
                                                     r"--arch mine:eval_pair in eval mode \(model.eval\(\), as "
                                                     r"evaluation runs it\): it returns tuple, not logits; return the "
                                                     r"logits it returns in training"),
+    "a model whose logits are integers": (["--dataset", "mine:table", "-a", "mine:int_mlp"],
+                                          r"--arch mine:int_mlp does not take the data's inputs \(20 float32\): its "
+                                          r"logits are int64, not floating point$"),
     "a model whose first loss is NaN": (["--dataset", "mine:table", "-a", "mine:log_mlp"],
                                         r"loss became NaN/inf at epoch 0 step 0; stopped without saving it: it came "
                                         r"before any update, from the model or the data: check them \(on a GPU, "
