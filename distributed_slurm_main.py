@@ -1642,6 +1642,7 @@ def write_epoch(row, writer, output_dir):
         f.write(json.dumps(row) + "\n")
     if not writer:  # False: no tensorboard package
         return
+    os.makedirs(writer.log_dir, exist_ok=True)  # a folder removed mid-run comes back, as save_checkpoint's does
     for key, value in row.items():
         if key != "epoch":
             writer.add_scalar(key, value, row["epoch"])
@@ -2187,9 +2188,9 @@ def explain_failure(error, args):
         got = str(error).split("got ")[-1]
         return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "
                          f"process's (micro-)batch 2 or more samples (a larger -b/--batch-size), or larger inputs")
-    written = os.path.abspath(str(getattr(error, "filename", None) or "/"))  # a file of this run's output?
+    written = os.path.abspath(os.fsdecode(getattr(error, "filename", None) or "/"))  # a file of this run's output?
     if isinstance(error, OSError) and written.startswith(os.path.abspath(getattr(args, "output_dir", "/")) + os.sep):
-        return RankError(f"cannot write {error.filename} ({error.strerror}): give --output-dir a folder where this "
+        return RankError(f"cannot write {written} ({error.strerror}): give --output-dir a folder where this "
                          f"run's files (checkpoints, metrics.jsonl, tb/) can be written")
     if type(error).__name__ == "DistStoreError":  # a peer that never came to the rendezvous
         return UserError(f"not every rank joined the process group within --dist-timeout "

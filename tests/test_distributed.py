@@ -2,6 +2,7 @@
 evaluation, equivalence across process counts, resume, preemption and faults."""
 import ast
 import re
+import shutil
 import signal
 import sys
 import time
@@ -111,6 +112,21 @@ def test_pretrained_weights_damaged_in_the_cache_are_one_line_naming_the_file(im
     job = python(SCRIPT, image_data, *FAST, "--pretrained", "--output-dir", tmp_path / "out",
                  env={"TORCH_HOME": tmp_path / "torch"}).finish(120)
     assert_one_clear_line(job, f"cannot load pretrained weights .*: delete {damaged}, and the next run downloads it")
+
+
+def test_an_output_folder_removed_mid_run_comes_back_at_the_epoch_end(image_data, tmp_path):
+    """--output-dir removed while the run trains (a cleanup job, a slip of rm -rf): the epoch's end writes the
+    checkpoint, metrics.jsonl and TensorBoard's events again, and the run ends 0. TensorBoard's writer thread stopped
+    it with a traceback."""
+    out = tmp_path / "out"
+    job = python(SCRIPT, image_data, *FAST, "--epochs", 2, "-b", 4, "-p", 1, "-j", 2, "--output-dir", out)
+    job.wait_for_line("Epoch 1 [ 1/")
+    job.proc.send_signal(signal.SIGSTOP)  # the epoch's 12 steps stay ahead: nothing writes while the folder goes
+    shutil.rmtree(out)
+    job.proc.send_signal(signal.SIGCONT)
+    ok(job)
+    assert load(out / "checkpoint.pth.tar")["epoch"] == 2 and [row["epoch"] for row in metrics(out)] == [1]
+    assert list((out / "tb").glob("events.out.tfevents.*"))
 
 
 def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninterrupted):

@@ -257,6 +257,8 @@ MESSAGES = [
     (HorovodInternalError("Mismatched allreduce tensor shapes: One rank sent a tensor of rank 2, but another rank "
                           "sent a tensor of rank 1."), None),  # its class alone says no peer ended
     (ValueError("a bug, Connection closed by peer"), None),
+    (FileNotFoundError(2, "No such file or directory", b"output/tb/events.1"),  # TensorBoard's names are bytes
+     r"cannot write /\S+/output/tb/events\.1 \(No such file or directory\): give --output-dir a folder where"),
 ]
 
 
