@@ -629,6 +629,7 @@ def exit_bad_input(error, reporter):
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
         time.sleep(30)
+    sys.unraisablehook = lambda failure_in_cleanup_after_the_line: None  # [safety]
     sys.exit(2)
 
 
@@ -1985,6 +1986,10 @@ def explain_failure(error, args):
     if "Too many open files" in str(error):  # an OSError's (EMFILE), or the DataLoader's on receiving a batch
         return RankError("this process has reached its limit of open files (ulimit -n): raise it where the job starts "
                          "(ulimit -n 65536), or use fewer -j/--workers")
+    if "can't start new thread" in str(error) or isinstance(error, BlockingIOError):  # a thread's, or fork's EAGAIN
+        return RankError("this process cannot start another process or thread (a limit on processes: ulimit -u, or "
+                         "the pids limit of its container or job; or on memory, for a thread's stack): raise it where "
+                         "the job starts, or use fewer -j/--workers")
     if "Expected more than 1 value per channel when training" in str(error):  # BatchNorm's, on every rank alike
         got = str(error).split("got ")[-1]
         return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "

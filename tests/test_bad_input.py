@@ -380,6 +380,16 @@ def test_a_limit_on_open_files_too_low_for_the_loader_workers_is_one_line(image_
     assert job.returncode == 2 and f'File "{ROOT / SCRIPT}"' not in job.output, job.output
 
 
+def test_a_thread_that_cannot_start_is_one_line(image_data, tmp_path):
+    """A thread's stack as large as half the address space the process may have: the loader's first thread cannot
+    start, as under a limit on processes (ulimit -u, a container's pids limit: neither binds root, who runs this),
+    which failed alike, in a traceback. Nothing more after the line: the loader's cleanup failed in tracebacks too."""
+    job = Job(["prlimit", f"--stack={4 << 30}", f"--as={8 << 30}", sys.executable, ROOT / SCRIPT, image_data, *FAST,
+               "-j", "2", "--epochs", "1", "--output-dir", tmp_path]).finish(120)
+    assert_one_clear_line(job, r"^error: this process cannot start another process or thread \(a limit on processes: "
+                               r"ulimit -u, .*\): raise it where the job starts, or use fewer -j/--workers$")
+
+
 def test_spawn_batch_that_does_not_divide_is_refused_before_a_process_starts(image_data, tmp_path):
     """Checked in the parent: 256 workers, each importing torch to find the same, took minutes on 2 cores."""
     job = spawn(SPAWN, 256, image_data, *FAST, "--output-dir", tmp_path).finish(30)

@@ -257,6 +257,8 @@ MESSAGES = [
     (HorovodInternalError("Mismatched allreduce tensor shapes: One rank sent a tensor of rank 2, but another rank "
                           "sent a tensor of rank 1."), None),  # its class alone says no peer ended
     (ValueError("a bug, Connection closed by peer"), None),
+    (RuntimeError("can't start new thread"), r"this process cannot start another process or thread \(a limit on"),
+    (BlockingIOError(11, "Resource temporarily unavailable"), r"this process cannot start another process or thread"),
     (FileNotFoundError(2, "No such file or directory", b"output/tb/events.1"),  # TensorBoard's names are bytes
      r"cannot write /\S+/output/tb/events\.1 \(No such file or directory\): give --output-dir a folder where"),
 ]
