@@ -821,7 +821,7 @@ def load_image(path):
             return image  # [fast-decode]
         with Image.open(path) as img:
             if img.mode.startswith("I;16"):  # 16-bit gray (convert("RGB") would clip at 255): its top 8 bits
-                return (v2.functional.pil_to_tensor(img).int() >> 8).to(torch.uint8).repeat(3, 1, 1)
+                return (v2.functional.pil_to_tensor(img.convert("I")) >> 8).to(torch.uint8).repeat(3, 1, 1)
             if img.mode in ("I", "F"):
                 raise ValueError(f"its 32-bit pixels (PIL mode {img.mode}) have no range to scale to 8 bits")
             return v2.functional.pil_to_tensor(img.convert("RGB"))

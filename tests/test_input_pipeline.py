@@ -62,8 +62,11 @@ def test_pixels_wider_than_8_bits_are_scaled_or_refused_never_clipped(script, tm
     TIFF's values in [0, 1] black. 16 bits keep their top 8; 32-bit pixels, whose range is unknown, are refused."""
     gradient = np.arange(0, 65536, 64, dtype=np.uint16).reshape(32, 32)
     Image.fromarray(gradient).save(tmp_path / "gray16.png")
-    image = script.load_image(str(tmp_path / "gray16.png"))
-    assert image.dtype == torch.uint8 and torch.equal(image, torch.from_numpy(gradient >> 8).byte().expand(3, -1, -1))
+    Image.frombytes("I;16B", (32, 32), gradient.astype(">u2").tobytes()).save(tmp_path / "gray16_big_endian.tif")
+    top_8_bits = torch.from_numpy(gradient >> 8).byte().expand(3, -1, -1)
+    for name in ("gray16.png", "gray16_big_endian.tif"):
+        image = script.load_image(str(tmp_path / name))
+        assert image.dtype == torch.uint8 and torch.equal(image, top_8_bits)
     Image.fromarray(np.linspace(0, 1, 1024, dtype=np.float32).reshape(32, 32)).save(tmp_path / "float.tif")
     Image.fromarray(np.arange(1024, dtype=np.int32).reshape(32, 32) * 99).save(tmp_path / "int.tif")
     for name in ("float.tif", "int.tif"):
