@@ -775,8 +775,8 @@ def load_image(path):
         with Image.open(path) as img:
             if img.mode.startswith("I;16"):  # 16-bit gray (convert("RGB") would clip at 255): its top 8 bits
                 return (v2.functional.pil_to_tensor(img.convert("I")) >> 8).to(torch.uint8).repeat(3, 1, 1)
-            if img.mode in ("I", "F"):
-                raise ValueError(f"its 32-bit pixels (PIL mode {img.mode}) have no range to scale to 8 bits")
+            if img.mode in ("I", "F"):  # [safety]
+                raise ValueError(f"its 32-bit pixels (PIL mode {img.mode}) have no range to map to 8 bits")  # [safety]
             return v2.functional.pil_to_tensor(img.convert("RGB"))
     except Exception as e:  # missing, cut short, not an image, too large for PIL (a decompression bomb): the file's
         raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None

@@ -71,7 +71,7 @@ def test_pixels_wider_than_8_bits_are_scaled_or_refused_never_clipped(script, tm
     Image.fromarray(np.arange(1024, dtype=np.int32).reshape(32, 32) * 99).save(tmp_path / "int.tif")
     for name in ("float.tif", "int.tif"):
         with pytest.raises(script.RankError, match=rf"cannot read image .*{name} \(its 32-bit pixels \(PIL mode "
-                                                     r"[IF]\) have no range to scale to 8 bits\): replace or remove"):
+                                                     r"[IF]\) have no range to map to 8 bits\): replace or remove"):
             script.load_image(str(tmp_path / name))
 
 
