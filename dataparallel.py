@@ -428,6 +428,7 @@ def main_worker(args, local_index=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps_per_epoch, args))
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype)
     run.ema = ema  # [ema]
+    run.train_samples = len(train_set)  # [safety]
     run.preemption = preemption  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
@@ -512,6 +513,7 @@ class RunState:
                 "scaler": self.scaler.state_dict(), "best_acc1": self.best_acc1, "args": vars(args),
                 "world_size": len(rng_states), "rng_states": rng_states, "train_sums": self.train_sums,
                 "model_ema": self.ema and self.ema.module.state_dict(),  # [ema]
+                "train_samples": self.train_samples,  # [safety]
             }, is_best, args.output_dir)
 
     def load_state_dict(self, ckpt, args, rank, world_size, log):
@@ -1799,7 +1801,8 @@ def check_fit(path, ckpt, sets, args):
     if not ckpt or model is None:  # a model the meta device cannot build: load_state_dict says what does not fit
         return
     kinds = {"args": dict, "optimizer": (dict, type(None)), "scheduler": dict, "scaler": dict, "epoch": int,
-             "step": int, "best_acc1": (int, float), "world_size": int, "rng_states": list}  # as RunState saves them
+             "step": int, "best_acc1": (int, float), "world_size": int, "rng_states": list,
+             "train_samples": int}  # as RunState saves them
     odd = next((key for key, kind in kinds.items() if key in ckpt and not isinstance(ckpt[key], kind)), None)
     if odd and not args.evaluate:
         raise UserError(f"{path}: its {odd} is a {type(ckpt[odd]).__name__}, which these scripts never save: the file "
@@ -1817,6 +1820,7 @@ def check_fit(path, ckpt, sets, args):
         if trained != given:
             raise UserError(f"{path} was trained with {said[trained]}, this run has {said[given]}: continue it with "
                             f"{said[trained]}, or train without --resume")
+    check_train_samples(path, ckpt, sets[0], args)
     own, saved = getattr(model, "_orig_mod", model).state_dict(), ckpt["state_dict"]  # as RunState saves them
     missing, unknown = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
     if missing or unknown:
@@ -1843,6 +1847,15 @@ def check_fit(path, ckpt, sets, args):
     if diverged:
         raise UserError(f"{path} holds NaN weights ({diverged}): the run had diverged; use a checkpoint saved before "
                         f"(model_best.pth.tar, or another copy)")
+
+
+def check_train_samples(path, ckpt, train_set, args):
+    """A resume on a training set of another size, which the step it resumes at, the order of a preempted epoch and
+    the schedule cannot follow: they count the batches of the set it was trained on."""
+    trained = ckpt.get("train_samples") if ckpt and not args.evaluate else None  # (none in older checkpoints)
+    if trained not in (None, len(train_set)):
+        raise UserError(f"{path} was trained on {trained} training samples, this run has {len(train_set)}: resume "
+                        f"with the data it was trained on, or train without --resume")
 
 
 def explain_failed_save(save_checkpoint):

@@ -307,6 +307,7 @@ def main_worker(args, local_index=None):
     ckpt_path = resume_path(args)
     ckpt = load_checkpoint(ckpt_path, config, args) if ckpt_path else None
     check_evaluated(ckpt_path, args)  # [safety]
+    check_train_samples(ckpt_path, ckpt, train_set, args)  # [safety]
     claim_output_dir(args, rank, log)  # [safety]
     set_seed(args.seed)
     model = UNet3D(**config)  # the same initial weights on every rank
@@ -326,6 +327,7 @@ def main_worker(args, local_index=None):
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(args.milestones), gamma=args.gamma)
     run = RunState(model, optimizer, scheduler, scaler, amp_dtype, config)
     run.preemption = preemption  # [preemption]
+    run.train_samples = len(train_set)  # [safety]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size, log)
         moved = "" if args.evaluate or ckpt.get("world_size") == world_size else (  # a job resized, a node lost
@@ -397,6 +399,7 @@ class RunState:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "best_dice": self.best_dice, "args": vars(args), "world_size": len(rng_states),
                 "rng_states": rng_states, "train_sums": self.train_sums,
+                "train_samples": self.train_samples,  # [safety]
             }, is_best, args.output_dir)
 
     def load_state_dict(self, ckpt, args, rank, world_size, log):
@@ -1290,6 +1293,15 @@ def check_evaluated(path, args):
         raise UserError("-e evaluates trained weights, and none are given: add --resume PATH (a checkpoint, or "
                         "weights saved with torch.save(model.state_dict(), PATH))"
                         + " or --pretrained" * hasattr(args, "pretrained"))
+
+
+def check_train_samples(path, ckpt, train_set, args):
+    """A resume on a training set of another size, which the step it resumes at, the order of a preempted epoch and
+    the schedule cannot follow: they count the batches of the set it was trained on."""
+    trained = ckpt.get("train_samples") if ckpt and not args.evaluate else None  # (none in older checkpoints)
+    if trained not in (None, len(train_set)):
+        raise UserError(f"{path} was trained on {trained} training samples, this run has {len(train_set)}: resume "
+                        f"with the data it was trained on, or train without --resume")
 
 
 def check_shared_gpus(store, world_size, device, backend):

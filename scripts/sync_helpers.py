@@ -39,7 +39,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["TORCH_MIN", "check_torch", "check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS",
           "add_foreign_flags", "MEMORY", "check_batch",
-          "check_run", "check_datasets", "check_model", "check_evaluated", "check_fit", "check_shared_gpus",
+          "check_run", "check_datasets", "check_model", "check_evaluated", "check_fit", "check_train_samples",
+          "check_shared_gpus",
           "explain_failed_save", "explain_unreadable", "explain_damaged", "PER_NODE", "check_ranks_agree",
           "check_items",
           "check_finite", "MIXED_DTYPES", "PEER_GONE", "explain_failure",

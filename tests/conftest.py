@@ -43,7 +43,7 @@ RESUME = [*FAST, "--deterministic", "-p", "1"]
 # epochs reached 70% on one CPU and only 50% on another; four reached it on both, and for 8 of 8 data seeds
 EPOCHS = 4
 CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "scheduler", "scaler", "best_acc1", "args",
-                   "world_size", "rng_states", "train_sums", "model_ema"}
+                   "world_size", "rng_states", "train_sums", "model_ema", "train_samples"}
 # the scripts' exit code for a run stopped before its last epoch, its checkpoint saved ("resume me")
 PREEMPTED = 75
 # torchrun's and horovodrun's exit code for a job one of whose processes exited non-zero (75 included)

@@ -199,6 +199,10 @@ CASES = {
     "resume with another learning rate": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"lr": 0.4})],
                                          r"ckpt.pth.tar was trained with --lr 0.4, this run has --lr 0.005: continue "
                                          r"it with --lr 0.4, or train without --resume"),
+    "resume on a training set of another size": (
+        1, lambda d, t: [d, "--resume", checkpoint(t, train_samples=640, **TRAINING_STATE)],
+        r"ckpt.pth.tar was trained on 640 training samples, this run has 192: resume with the data it was trained on, "
+        r"or train without --resume$"),
     "resume with another seed": (1, lambda d, t: [d, "--resume", checkpoint(t, args={"seed": 3})],
                                  r"ckpt.pth.tar was trained with --seed 3, this run has --seed 0: continue it with "
                                  r"--seed 3, or train without --resume"),

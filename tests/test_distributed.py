@@ -151,12 +151,20 @@ def test_gpu_decode_on_the_cpu_gives_the_bits_of_decoding_in_the_loader_workers(
     assert_same_run(tmp_path, uninterrupted)
 
 
-def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it(image_data, tmp_path, uninterrupted):
+def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it_on_the_same_data(image_data, tmp_path,
+                                                                                            uninterrupted):
     job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.process_of_rank(1).send_signal(signal.SIGTERM)  # one rank only: the others must agree to stop with it
     step = assert_preempted(job, tmp_path, code=LAUNCHER_FAILED)
     assert "exitcode  : 75" in job.output  # torchrun's report: the code it would restart on (--max-restarts)
+    assert load(tmp_path / "checkpoint.pth.tar")["train_samples"] == 192
+    fewer = shutil.copytree(image_data, tmp_path.parent / "fewer")  # the step and the epoch's order would not fit
+    for image in sorted((fewer / "train" / "class0").iterdir())[:16]:
+        image.unlink()
+    refused = torchrun(SCRIPT, 2, fewer, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path)
+    assert_one_clear_line(refused.finish(), r"checkpoint.pth.tar was trained on 192 training samples, this run has "
+                                            r"176: resume with the data it was trained on", launcher_reports=True)
     resumed = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto",
                           "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output

@@ -103,7 +103,7 @@ def test_the_checkpoint_is_a_folder_of_shards_and_model_best_holds_the_full_weig
     assert sorted(os.listdir(link)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.pt"]
     state = load(link / "train_state.pt")
     assert set(state) == {"epoch", "step", "arch", "scheduler", "scaler", "best_acc1", "args", "world_size",
-                          "rng_states", "train_sums"}
+                          "rng_states", "train_sums", "train_samples"}
     assert (state["epoch"], state["step"], state["world_size"], len(state["rng_states"])) == (1, 0, 2, 2)
     best = load(pair.out / "model_best.pth.tar")
     assert set(best) == {"epoch", "arch", "state_dict", "best_acc1", "args"}

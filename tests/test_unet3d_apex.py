@@ -20,7 +20,7 @@ TINY = ["--patch-size", "16", "16", "16", "--base-channels", "8", "--depth", "3"
 # 20 training volumes, 5 (odd) validation volumes; 24 is no multiple of 16, so evaluation tiles pad the borders
 SYNTHETIC = ["--synthetic", "--synthetic-size", "20", "--synthetic-shape", "20", "24", "24"]
 CHECKPOINT_KEYS = {"epoch", "step", "arch", "model", "state_dict", "optimizer", "scheduler", "scaler", "best_dice",
-                   "args", "world_size", "rng_states", "train_sums"}
+                   "args", "world_size", "rng_states", "train_sums", "train_samples"}
 # the first training volume is smaller than a 16³ patch along D: its patches are padded, not refused
 TRAIN_SHAPES = [(12, 20, 20), (16, 20, 24), (18, 24, 20), (20, 16, 18), (16, 18, 16), (20, 20, 20)]
 VAL_SHAPES = [(18, 20, 22), (16, 24, 16), (20, 18, 20)]
@@ -275,6 +275,9 @@ CASES = {
         1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, args={"milestones": [5]})],
         r"ckpt.pth.tar was trained with --milestones 5, this run has --milestones 60 80: continue it with "
         r"--milestones 5, or train without --resume"),
+    "resume on a training set of another size": (
+        1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, train_samples=9)],
+        r"ckpt.pth.tar was trained on 9 training samples, this run has \d+: resume with the data it was trained on"),
     "a NaN voxel": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy",
                                                                         nan_volume()))],
                     r"^error: .*train/images/vol0.npy holds NaN or inf values: replace them \(numpy.nan_to_num\), or "
