@@ -193,7 +193,9 @@ def build_datasets(args):
         except FileNotFoundError as e:
             raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs an image it can read") from None
     if sets[0].classes != sets[1].classes:  # [safety]
-        raise UserError(f"{args.data}: train/ and val/ have different class folders; they must match")  # [safety]
+        odd = ", ".join(sorted(set(sets[0].classes) ^ set(sets[1].classes))[:3])  # [safety]
+        raise UserError(f"{args.data}: train/ and val/ have different class folders ({odd}: in one of them "  # [safety]
+                        f"only); give both the same, or the labels of one would not be the other's")  # [safety]
     return sets
 
 
@@ -459,13 +461,13 @@ def main_worker(args, local_index=None):
             f"{args.epochs}; give more --epochs to train on")  # [safety]
     writer = open_writer(args, rank, run.epoch)  # [logs]
     while run.epoch < args.epochs:
-        epoch, started = run.epoch, time.time()
+        epoch, started = run.epoch, time.monotonic()
         train_sampler.set_epoch(epoch)
         train_sampler.start = run.step * local_batch
         train = train_one_epoch(run, train_batches, args, log)
         if train is None:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
-        train_seconds = time.time() - started
+        train_seconds = time.monotonic() - started
         sync_buffers(model)
         val = evaluate(run.eval_model, val_batches, amp_dtype)
         if ema:  # [ema]
@@ -479,7 +481,7 @@ def main_worker(args, local_index=None):
                "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
                **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if key in val},  # [ema]
                **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {}),  # [clip-grad-norm]
-               "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
+               "img_per_s": train["count"] / train_seconds, "seconds": time.monotonic() - started}
         if writer is not None:  # [logs]
             write_epoch(row, writer, args.output_dir)  # [logs]
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
@@ -543,13 +545,13 @@ def train_one_epoch(run, batches, args, log):
         metrics.sums[:len(run.train_sums)] += run.train_sums.to(device)  # this epoch's part before a preemption
     steps_per_epoch = run.step + len(batches)
     first_bad = torch.full((), -1, device=device)  # [safety]
-    last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[3].item()
+    last_time, last_count = time.monotonic(), 0 if run.train_sums is None else run.train_sums[3].item()
 
     def report(step):
         nonlocal last_time, last_count
         s = metrics.summary()
         check_finite(s, first_bad, run.epoch)  # [safety]
-        now = time.time()
+        now = time.monotonic()
         text = (f"loss {s['loss']:.4f} acc1 {s['acc1']:.2f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
                 f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.0f} img/s")
         last_time, last_count = now, s["count"]
@@ -1158,11 +1160,11 @@ def benchmark(run, args, world_size, log, val_set):
     batch = images.contiguous(memory_format=memory_format), torch.zeros(local_batch, dtype=torch.int64, device=device)
     autocast = str(run.amp_dtype).replace("torch.", "") if run.amp_dtype else "off"
     for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
-        started = time.time()
+        started = time.monotonic()
         train = train_one_epoch(run, [batch] * steps, args, log)
         if train is None:
             return
-    log(f"benchmark: {train['count'] / (time.time() - started):.0f} img/s over {steps} steps, {world_size} "
+    log(f"benchmark: {train['count'] / (time.monotonic() - started):.0f} img/s over {steps} steps, {world_size} "
         f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, autocast {autocast}; "
         f"{memory_use(run, device)}")
 

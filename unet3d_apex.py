@@ -348,13 +348,13 @@ def main_worker(args, local_index=None):
             f"{args.epochs}; give more --epochs to train on")  # [safety]
     writer = open_writer(args, rank, run.epoch)  # [logs]
     while run.epoch < args.epochs:
-        epoch, started = run.epoch, time.time()
+        epoch, started = run.epoch, time.monotonic()
         train_sampler.set_epoch(epoch)
         train_sampler.start = run.step * local_batch
         train = train_one_epoch(run, train_batches, args, log)
         if train is None:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
-        train_seconds, lr = time.time() - started, optimizer.param_groups[0]["lr"]
+        train_seconds, lr = time.monotonic() - started, optimizer.param_groups[0]["lr"]
         scheduler.step()  # per epoch, after it: the row keeps the rate the epoch trained with
         sync_buffers(model)
         val, slices = evaluate(run.eval_model, val_volumes, patch, args.eval_batch, amp_dtype)
@@ -363,7 +363,7 @@ def main_worker(args, local_index=None):
         run.save(args, rank, is_best)
         row = {"epoch": epoch, "train_loss": train["loss"], "train_dice": train["dice"], "val_loss": val["loss"],
                "val_dice": val["dice"], "val_iou": val["iou"], "val_dice_per_volume": val["dice_per_volume"],
-               "lr": lr, "img_per_s": train["count"] / train_seconds, "seconds": time.time() - started}
+               "lr": lr, "img_per_s": train["count"] / train_seconds, "seconds": time.monotonic() - started}
         if writer:  # [logs]
             for name, picture in zip(("val/input", "val/ground_truth", "val/prediction"), slices):  # [logs]
                 writer.add_image(name, picture, epoch, dataformats="HW")  # [logs]
@@ -427,13 +427,13 @@ def train_one_epoch(run, batches, args, log):
         metrics.sums += run.train_sums.to(device)  # the part of this epoch trained before a preemption
     steps_per_epoch = run.step + len(batches)
     first_bad = torch.full((), -1, device=device)  # [safety]
-    last_time, last_count = time.time(), 0 if run.train_sums is None else run.train_sums[1].item()
+    last_time, last_count = time.monotonic(), 0 if run.train_sums is None else run.train_sums[1].item()
 
     def report(step):
         nonlocal last_time, last_count
         s = metrics.summary()
         check_finite(s, first_bad, run.epoch)  # [safety]
-        now = time.time()
+        now = time.monotonic()
         text = (f"loss {s['loss']:.4f} dice {s['dice']:.4f} lr {run.optimizer.param_groups[0]['lr']:.4g} "
                 f"{(s['count'] - last_count) / max(now - last_time, 1e-9):.1f} img/s")
         last_time, last_count = now, s["count"]

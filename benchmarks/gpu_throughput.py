@@ -167,9 +167,9 @@ def examples_train(train_loader, model, criterion, optimizer, scaler, amp_dtype,
               AverageMeter("Acc@1", ":6.2f"), AverageMeter("Acc@5", ":6.2f")]
     batch_time, data_time, losses, top1, top5 = meters
     model.train()
-    started = end = time.time()
+    started = end = time.monotonic()
     for i, (images, target) in enumerate(train_loader):
-        data_time.update(time.time() - end)
+        data_time.update(time.monotonic() - end)
         images = images.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
         target = target.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -183,16 +183,16 @@ def examples_train(train_loader, model, criterion, optimizer, scaler, amp_dtype,
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        batch_time.update(time.time() - end)
-        end = time.time()
+        batch_time.update(time.monotonic() - end)
+        end = time.monotonic()
         if i % args.print_freq == 0:  # ProgressMeter.display
             digits = len(str(len(train_loader)))
             print(f"Epoch: [{epoch}][{i + 1:>{digits}}/{len(train_loader)}]\t" + "\t".join(map(str, meters)))
         if i + 1 == args.print_freq:
             synchronize(device)
-            timed_from = time.time()
+            timed_from = time.monotonic()
     synchronize(device)
-    done = time.time()
+    done = time.monotonic()
     images = (len(train_loader) - args.print_freq) * args.batch_size
     return {"img_per_s": images / (done - timed_from), "images": images,
             "epoch_img_per_s": len(train_loader) * args.batch_size / (done - started)}

@@ -132,7 +132,7 @@ class Group:
         return {k: sum(o == k for o in self.outcomes.values()) for k in ("passed", "failed", "skipped", "not run")}
 
     def start(self, slot, pytest_args, env):
-        self.slot, self.started = slot, time.time()
+        self.slot, self.started = slot, time.monotonic()
         path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), env.get("PYTHONPATH")) if p)
         env = {**env, "TEST_PORT_BLOCK": str(slot), "GPU_SUITE_RESULTS": str(self.results), "PYTHONPATH": path}
         cmd = [sys.executable, "-m", "pytest", "-p", Path(__file__).stem, "-rfEs", *pytest_args,
@@ -147,12 +147,12 @@ class Group:
         if self.proc.poll() is None:
             if not self.interrupted:
                 self.proc.send_signal(signal.SIGINT)
-            self.interrupted = min(self.interrupted or time.time(), time.time() - GRACE + grace)
+            self.interrupted = min(self.interrupted or time.monotonic(), time.monotonic() - GRACE + grace)
 
     def check(self):
         """True once it has ended (killed if it outlives its grace after an interrupt)."""
         if self.proc.poll() is None:
-            if self.interrupted and time.time() > self.interrupted + GRACE:
+            if self.interrupted and time.monotonic() > self.interrupted + GRACE:
                 self.proc.kill()
                 self.proc.wait()
             else:
@@ -167,7 +167,7 @@ class Group:
 
     def summary(self):
         files = sorted({case.split("::")[0] for case in self.cases})
-        took = f" in {time.time() - self.started:.0f} s" if self.started else ""
+        took = f" in {time.monotonic() - self.started:.0f} s" if self.started else ""
         return (f"group {self.number} ({len(self.cases)} cases of {', '.join(files)}): "
                 f"{describe(self.counts)}{took}")
 
@@ -222,7 +222,7 @@ def run(groups, jobs, pytest_args, time_limit, started):
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while running or pending and not stopped:
-            if time_limit and time.time() - started > time_limit:
+            if time_limit and time.monotonic() - started > time_limit:
                 stopped = stopped or f"--time-limit {time_limit:.0f} s reached"
             while pending and slots and not stopped:
                 group = pending.pop(0)
@@ -251,7 +251,7 @@ def run(groups, jobs, pytest_args, time_limit, started):
 
 
 def main():
-    started = float(os.environ.get("GPU_SUITE_T0") or time.time())
+    started = float(os.environ.get("GPU_SUITE_T0") or time.monotonic())
     options, pytest_args, paths = parse(sys.argv[1:])
     paths = paths or ["tests/gpu"]
     if FOREGROUND & set(pytest_args):  # one plain pytest, as before the groups
@@ -291,7 +291,7 @@ def main():
             rest = folder / "not_run.txt"
             rest.write_text("".join(f"{c}\n" for g in groups for c, o in g.outcomes.items() if o == "not run"))
             print(f"test_gpu: the cases not run: bash scripts/test_gpu.sh $(cat {rest})")
-    print(f"test_gpu: {describe(total)} in {time.time() - started:.0f} s "
+    print(f"test_gpu: {describe(total)} in {time.monotonic() - started:.0f} s "
           f"({jobs} jobs, {len(groups)} groups{shard})", flush=True)
     return 0 if ok else 1
 

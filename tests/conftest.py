@@ -82,7 +82,7 @@ class Job:
         (returns None); False at the deadline."""
         while True:
             try:
-                line = self.unread.get(timeout=max(0.0, deadline - time.time()))
+                line = self.unread.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return False
             if line is None:
@@ -94,7 +94,7 @@ class Job:
 
     def wait_for_line(self, text, timeout=120):
         """Read output until a line contains `text`; returns that line."""
-        line = self.read(time.time() + timeout, until=lambda line: text in line)
+        line = self.read(time.monotonic() + timeout, until=lambda line: text in line)
         if not line:
             self.give_up(f"never saw {text!r} in the output of {' '.join(self.cmd)} "
                          f"({'it ended' if line is None else f'within {timeout}s'}):")
@@ -140,11 +140,11 @@ class Job:
         return sorted((p for p in children if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.pid)
 
     def finish(self, timeout=300):
-        deadline = time.time() + timeout
+        deadline = time.monotonic() + timeout
         try:
             if self.read(deadline) is False:
                 raise subprocess.TimeoutExpired(self.cmd, timeout)
-            self.proc.wait(timeout=max(0.0, deadline - time.time()))
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.give_up(f"timed out after {timeout}s: {' '.join(self.cmd)}")
         self.assert_no_leftovers()
@@ -152,8 +152,8 @@ class Job:
 
     def assert_no_leftovers(self, grace=15):
         """DataLoader workers notice a dead parent within seconds; anything alive after `grace` is an orphan."""
-        deadline = time.time() + grace
-        while self.processes() and time.time() < deadline:
+        deadline = time.monotonic() + grace
+        while self.processes() and time.monotonic() < deadline:
             time.sleep(0.2)
         orphans = self.kill_all()
         assert not orphans, f"processes left behind by {' '.join(self.cmd)}: {orphans}"
@@ -165,15 +165,15 @@ class Job:
             with contextlib.suppress(psutil.Error):
                 killed.append((p.pid, " ".join(p.cmdline())[:150]))
                 p.kill()
-        deadline = time.time() + 10
-        while killed and self.processes() and time.time() < deadline:
+        deadline = time.monotonic() + 10
+        while killed and self.processes() and time.monotonic() < deadline:
             time.sleep(0.1)
         return killed
 
     def kill(self):
         self.kill_all()
         self.proc.wait()
-        self.read(time.time() + 10)
+        self.read(time.monotonic() + 10)
 
     @property
     def output(self):
@@ -238,9 +238,9 @@ def slow_start(tmp_path, ranks=2):
     started.mkdir()
 
     def wait_for_ranks(timeout=120):
-        deadline = time.time() + timeout
+        deadline = time.monotonic() + timeout
         while len(list(started.iterdir())) < ranks:
-            assert time.time() < deadline, f"fewer than {ranks} ranks built their datasets within {timeout}s"
+            assert time.monotonic() < deadline, f"fewer than {ranks} ranks built their datasets within {timeout}s"
             time.sleep(0.1)
 
     flags = ["--dataset", "slow:rows", "-a", "slow:linear", "--num-classes", "2", "-b", "8", "-j", "2", "-p", "1",
@@ -385,9 +385,9 @@ def freeze(job, process, ends_within):
     """Stops `process` without killing it (SIGSTOP: as if stuck in I/O or a driver call); the job must then end,
     failing, within `ends_within` seconds."""
     process.send_signal(signal.SIGSTOP)
-    started = time.time()
+    started = time.monotonic()
     job.finish(timeout=120)
-    assert job.returncode != 0 and time.time() - started < ends_within, job.output
+    assert job.returncode != 0 and time.monotonic() - started < ends_within, job.output
 
 
 def make_image_folder(root, train_per_class=48, val_total=101, size=40, seed=0):

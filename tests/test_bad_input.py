@@ -89,12 +89,17 @@ CASES = {
     "gpu decode of data that is not an image folder": (1, lambda d, t: ["--dummy", "--gpu-decode"],
                                                        r"--gpu-decode decodes image folders \(DATA/train, DATA/val\); "
                                                        r"this data is not one: leave --gpu-decode out"),
+    "--dummy and --dataset": (1, lambda d, t: ["--dummy", "--dataset", "mine:table"],
+                              r"^error: --dummy and --dataset both name the data: give one of them$"),
     "--dummy and a data folder": (1, lambda d, t: [d, "--dummy"],
                                   r"--dummy makes its own data, and .* names a folder: give one of them"),
     "missing data folder": (1, lambda d, t: [t / "nowhere"],
                             r"data folder '.*nowhere' not found: give a folder with train/ and val/"),
     "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],
                       r"val not found: DIR must hold train/ and val/"),
+    "a class folder in train/ only": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val/class2"))],
+                                      r"^error: .*: train/ and val/ have different class folders \(class2: in one of "
+                                      r"them only\); give both the same"),
     "empty class folder": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class9").mkdir())],
                            r"Found no valid file for the classes class9.*needs an image it can read$"),
     "a symbolic link that loops back": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class1" / "up")

@@ -93,12 +93,27 @@ def test_argparse_errors_are_user_errors(script):
         script.parse_args([*base_args(script), "--no-such-flag"])
 
 
-def test_one_line_and_exit_code_2_from_the_command_line(tmp_path):
+# script, its flags, its whole stderr: a number out of range, and the flags that a launcher checks its own way
+REFUSED = [
+    ("distributed.py", ["--lr", "-1"], "argument --lr: -1 is out of range: give a number >= 0 (see --help)"),
+    ("multiprocessing_distributed.py", ["--node-rank", "2", "--world-size", "2"],
+     "--node-rank 2 with --world-size 2: node ranks go from 0 to 1"),
+    ("multiprocessing_distributed.py", ["--gpus", "0,x"], "--gpus 0,x: give comma-separated GPU ids, e.g. 0,2,5"),
+    ("dataparallel.py", ["--gpus", "1,1"], "--gpus 1,1 names GPU 1 more than once: list each GPU once"),
+    ("fsdp_distributed.py", ["--compile"], "--compile: fsdp_distributed.py does not compile the sharded model "
+     "(torch 2.14's inductor fails on FSDP2's hooks across the whole model); drop it, or train with distributed.py"),
+    ("fsdp_distributed.py", ["--model-ema"], "--model-ema: fsdp_distributed.py keeps no average of the weights (a "
+     "whole copy on every rank is what sharding saves); drop it, or train with distributed.py"),
+]
+
+
+@pytest.mark.parametrize("script_name,flags,said", REFUSED)
+def test_one_line_and_exit_code_2_from_the_command_line(script_name, flags, said, tmp_path):
     """The whole way, as a user meets it: the script run, not only parse_args."""
-    done = subprocess.run([sys.executable, ROOT / "distributed.py", "--dummy", "--lr", "-1"], capture_output=True,
-                          text=True, cwd=tmp_path)
+    done = subprocess.run([sys.executable, ROOT / script_name, "--dummy", *flags], capture_output=True, text=True,
+                          cwd=tmp_path)
     assert done.returncode == 2 and done.stdout == "", done
-    assert done.stderr == "error: argument --lr: -1 is out of range: give a number >= 0 (see --help)\n"
+    assert done.stderr == f"error: {said}\n"
 
 
 def test_a_torch_older_than_the_tests_pass_on_is_one_line(script, monkeypatch):

@@ -339,9 +339,9 @@ def test_a_rank_killed_while_it_saves_leaves_the_last_checkpoint_and_no_stray_fi
     job, _, let = held(image_data, tmp_path, "--epochs", "2", ballast=2**27)
     let(10**6)
     job.wait_for_line("Epoch 1 [ 1/12]")
-    deadline = time.time() + 120
+    deadline = time.monotonic() + 120
     while not list(out.glob("checkpoint.pth.tar.tmp*")):
-        assert time.time() < deadline and job.proc.poll() is None, job.output
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
         time.sleep(0.01)
     writer = job.process_of_rank(0)
     writer.suspend()  # stopped mid-write: the kill below lands there, however slowly this test runs

@@ -28,7 +28,7 @@ def slurm():
     are missing); stopped afterwards by scripts/stop_slurm.sh if this session started it."""
     env = {**os.environ, "LOCAL_SLURM_BASE": BASE, "LOCAL_SLURM_PORT": PORT, "LOCAL_SLURM_NODES": "2",
            "LOCAL_SLURM_REQUEUE_DELAY": "5"}
-    started = time.time()
+    started = time.monotonic()
     stop = ["bash", ROOT / "scripts" / "stop_slurm.sh"]
     try:
         done = subprocess.run(["bash", ROOT / "scripts" / "start_slurm.sh"], env=env, capture_output=True, text=True,
@@ -41,7 +41,7 @@ def slurm():
         if ours:
             subprocess.run(stop, env=env, timeout=120)
         pytest.skip(f"no Slurm cluster (scripts/start_slurm.sh needs root and apt-get):\n{done.stderr[-3000:]}")
-    print(f"\nSlurm cluster ready in {time.time() - started:.1f} s", file=sys.stderr)
+    print(f"\nSlurm cluster ready in {time.monotonic() - started:.1f} s", file=sys.stderr)
     yield {"SLURM_CONF": f"{BASE}/etc/slurm.conf", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     if ours:
         subprocess.run(stop, env=env, timeout=120, check=True)
@@ -63,8 +63,8 @@ def slurm_tasks():
 @pytest.fixture(autouse=True)
 def _no_task_outlives_its_job():
     yield
-    deadline = time.time() + 20
-    while slurm_tasks() and time.time() < deadline:
+    deadline = time.monotonic() + 20
+    while slurm_tasks() and time.monotonic() < deadline:
         time.sleep(0.5)
     left = slurm_tasks()
     for p in left:
@@ -84,8 +84,8 @@ def slurm_command(slurm, *cmd, check=False, **kwargs):
 
 def wait_for_job(slurm, job_id, log, timeout):
     """Polls `scontrol show job` until the job has ended; returns its fields (JobState, Restarts, ...)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         text = slurm_command(slurm, "scontrol", "-o", "show", "job", job_id, check=True).stdout
         fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
         if fields["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
@@ -168,9 +168,9 @@ def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
                               sbatch_example(example, tmp_path), image_data,
                               *RESUME, "-j", "2", "--epochs", EPOCHS, *args, "--output-dir", out, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
-    deadline = time.time() + 300
+    deadline = time.monotonic() + 300
     while "Epoch 0 [ 3/12]" not in (log.read_text() if log.exists() else ""):
-        assert time.time() < deadline, log.read_text() if log.exists() else "no log"
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.2)
     slurm_command(slurm, "scancel", "--signal=USR1", job_id, check=True)  # what --signal=USR1@120 sends
     done = wait_for_job(slurm, job_id, log, 300)
@@ -191,9 +191,9 @@ def test_scancel_checkpoints_but_does_not_requeue(slurm, image_data, tmp_path):
                            f"--chdir={ROOT}", f"--output={log}", "--wrap",
                            f"srun --kill-on-bad-exit=1 {sys.executable} {SCRIPT} {image_data} {' '.join(RESUME)} "
                            f"-j 2 --epochs 3 --output-dir {tmp_path}", check=True).stdout.strip().split(";")[0]
-    deadline = time.time() + 300
+    deadline = time.monotonic() + 300
     while "Epoch 0 [ 2/12]" not in (log.read_text() if log.exists() else ""):
-        assert time.time() < deadline, log.read_text() if log.exists() else "no log"
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.2)
     slurm_command(slurm, "scancel", job_id, check=True)
     done = wait_for_job(slurm, job_id, log, 120)
@@ -213,9 +213,9 @@ def test_a_failing_task_ends_the_whole_job(way, slurm, image_data, tmp_path):
     # the training process: the task itself, or with --procs-per-node the process the task spawned
     victim = next(c for c in task.children() if "spawn_main" in " ".join(c.cmdline())) if extra else task
     victim.send_signal(signal.SIGKILL)
-    started = time.time()
+    started = time.monotonic()
     job.finish(timeout=90)
-    assert job.returncode != 0 and time.time() - started < 60, job.output
+    assert job.returncode != 0 and time.monotonic() - started < 60, job.output
 
 
 @pytest.mark.parametrize("way", ["one task per process", "one task per node"])
@@ -252,8 +252,8 @@ def test_a_killed_srun_leaves_no_process_behind(slurm, image_data, tmp_path):
     job = srun(slurm, ["-N2", "-n2"], image_data, *RESUME, "-j", "2", "--epochs", "50", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 1/12]")
     job.proc.kill()
-    deadline = time.time() + 30
-    while slurm_tasks() and time.time() < deadline:
+    deadline = time.monotonic() + 30
+    while slurm_tasks() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not slurm_tasks(), [p.cmdline() for p in slurm_tasks()]
     job.finish(timeout=30)
@@ -273,12 +273,17 @@ def test_a_problem_only_one_node_has_is_reported_by_that_node(way, slurm, image_
     assert re.search(r"data folder '.*data1' not found: give a folder with train/ and val/", errors[0]), job.output
 
 
-def test_a_wrong_rendezvous_file_location_is_one_clear_error(slurm, image_data, tmp_path):
-    job = srun(slurm, ["-N1", "-n2"], image_data, *RESUME, "--dist-file", tmp_path / "nowhere" / "rdzv").finish(120)
+@pytest.mark.parametrize("flags,said", [
+    (lambda t: ["--dist-file", t / "nowhere" / "rdzv"],
+     r"--dist-file .*nowhere/rdzv: folder .*nowhere not found; give a path in a folder that every node shares"),
+    (lambda t: ["--procs-per-node", "2"],
+     r"--procs-per-node needs one task per node, not 2 tasks on 1 nodes: srun --ntasks-per-node=1$"),
+], ids=["a rendezvous file in no folder", "processes per node with two tasks on the node"])
+def test_flags_that_do_not_fit_the_step_are_one_clear_error(flags, said, slurm, image_data, tmp_path):
+    job = srun(slurm, ["-N1", "-n2"], image_data, *RESUME, *flags(tmp_path)).finish(120)
     errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
     assert job.returncode != 0 and len(errors) == 1, job.output
-    assert re.search(r"--dist-file .*nowhere/rdzv: folder .*nowhere not found; give a path in a folder that every "
-                     r"node shares", errors[0]), job.output
+    assert re.search(said, errors[0]), job.output
 
 
 def test_python_in_the_batch_script_without_srun_is_one_clear_error(slurm, image_data, tmp_path):

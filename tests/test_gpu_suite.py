@@ -91,9 +91,9 @@ def pytest_pyfunc_call(pyfuncitem):
         (folder / "hanging").write_text(str(os.getpid()))
         time.sleep(600)
     (folder / f"{os.getpid()}.running").touch()
-    deadline = time.time() + 90
+    deadline = time.monotonic() + 90
     while len(list(folder.glob("*.running"))) < int(os.environ.get("STUB_TOGETHER", 1)):
-        assert time.time() < deadline, "the other case never ran at the same time"
+        assert time.monotonic() < deadline, "the other case never ran at the same time"
         time.sleep(0.1)
     assert os.environ.get("STUB_FAIL", "-") not in name, "failing on purpose"
     return True
@@ -128,8 +128,8 @@ def test_runner_stopped_midway_ends_its_cases_and_counts_them_as_not_run(tmp_pat
                                 tmp_path, STUB_HANG="squeezenet").items()}},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     hanging = tmp_path / "hanging"
-    deadline = time.time() + 120
-    while not hanging.exists() and proc.poll() is None and time.time() < deadline:
+    deadline = time.monotonic() + 120
+    while not hanging.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert hanging.exists(), proc.communicate(timeout=60)[0] if proc.poll() is not None else "no case hangs"
     proc.send_signal(signal.SIGINT)  # as Ctrl-C; --time-limit ends the groups the same way

@@ -47,7 +47,7 @@ def test_waiting_for_a_line_from_a_job_that_prints_nothing_times_out_with_its_st
     """A job hung before its first line (a rank stuck at start-up) used to block the test on its silent output
     for good: pytest's own backstop then ended the whole suite's run of that test, without the stacks."""
     job = Job([sys.executable, "-c", "import time\ndef silent_here():\n    time.sleep(60)\nsilent_here()"])
-    started = time.time()
+    started = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"(?s)never saw 'Epoch' .*within 3s.*silent_here"):
         job.wait_for_line("Epoch", timeout=3)
-    assert time.time() - started < 40 and not job.processes()
+    assert time.monotonic() - started < 40 and not job.processes()

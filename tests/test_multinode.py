@@ -107,8 +107,8 @@ def hold_before_the_first_step(job):
     second, before its first step (the prefetcher holds one batch ahead), and the job stands still in epoch 0
     however long the test takes to act (an epoch of these runs lasts about half a second, too short to hit from
     the test's side). Returns the worker, for the test to resume."""
-    deadline = time.time() + 120
-    while time.time() < deadline:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         with contextlib.suppress(psutil.Error):
             trainers = [p for p in job.processes() if "RANK" in p.environ() and "RANK" not in p.parent().environ()]
             workers = sorted(trainers[0].children(), key=lambda p: (p.create_time(), p.pid)) if trainers else []
@@ -127,10 +127,10 @@ def pending_signals(process):
 
 def wait_for_line_in_either(jobs, text, timeout=180):
     """The job (of several) whose output shows `text` first."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         for job in jobs:
-            if job.read(time.time() + 0.1, until=lambda line: text in line):
+            if job.read(time.monotonic() + 0.1, until=lambda line: text in line):
                 return job
     jobs[0].give_up(f"never saw {text!r} within {timeout}s:\n{''.join(jobs[1].lines)}")
 
@@ -177,9 +177,9 @@ def test_a_node_joining_mid_epoch_makes_both_go_on_at_world_size_2(image_data, t
     trainer = node0.process_of_rank(0)
     trainer.suspend()
     node1 = elastic_node(endpoint, image_data, tmp_path)
-    deadline = time.time() + 120
+    deadline = time.monotonic() + 120
     while not pending_signals(trainer) & 1 << signal.SIGTERM - 1:
-        assert time.time() < deadline, node0.output + "".join(node1.lines)
+        assert time.monotonic() < deadline, node0.output + "".join(node1.lines)
         time.sleep(0.2)
     trainer.resume()
     assert_finished_as_the_reference(node0, tmp_path, loop_reference, "1 -> 2")

@@ -187,6 +187,24 @@ def no_val(args):
     return Table(192, 0), Table(0, 1)
 
 
+class FloatLength(Table):
+    def __len__(self):
+        return 192.0
+
+
+def float_length(args):
+    return FloatLength(192, 0), Table(40, 1)
+
+
+class Broken(Table):
+    def __getitem__(self, index):
+        raise KeyError(f"no row {index}")
+
+
+def broken(args):
+    return Broken(192, 0), Table(40, 1)
+
+
 def not_a_module(num_classes):
     return {"weights": None}
 
@@ -599,6 +617,11 @@ BAD = {
     "validation items that are inputs alone": (["--dataset", "mine:unlabelled", "-a", "mine:mlp"],
                                               r"--dataset mine:unlabelled: an item of its val set is Tensor, not "
                                               r"\(input tensor, label\): return \(input, label\) pairs$"),
+    "a len() that is no integer": (["--dataset", "mine:float_length", "-a", "mine:mlp"],
+                                   r"--dataset mine:float_length: its train set's len\(\) fails \('float' object "
+                                   r"cannot be interpreted as an integer\): return the number of items$"),
+    "a first item that fails": (["--dataset", "mine:broken", "-a", "mine:mlp"],
+                                r"--dataset mine:broken: its train set's item 0 failed \(KeyError: 'no row 0'\)$"),
     "an empty validation set": (["--dataset", "mine:no_val", "-a", "mine:mlp"],
                                 r"--dataset mine:no_val: its val set is empty: give it samples$"),
     "numpy inputs": (["--dataset", "mine:numpy_rows", "-a", "mine:mlp"],

@@ -278,6 +278,17 @@ CASES = {
     "resume on a training set of another size": (
         1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, train_samples=9)],
         r"ckpt.pth.tar was trained on 9 training samples, this run has \d+: resume with the data it was trained on"),
+    "volumes with other channel counts": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(
+        x / "train" / "images" / "vol1.npy", np.zeros((2, 16, 20, 24), np.float32)))],
+        r"train/images: volumes with \[1, 2\] channels; all must have the same number$"),
+    "two volumes of one name": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "images" / "vol0.nii.gz")
+                                                             .write_bytes(b"x"))],
+                                r"train/images holds both vol0.nii.gz and vol0.npy: keep one volume per name$"),
+    "fewer patches than a batch": (1, lambda d, t: [d, "-b", "512"],
+                                   r"^error: \d+ training volumes x \d+ patches are fewer than one global batch of "
+                                   r"512: lower -b or raise --patches-per-volume$"),
+    "resume a checkpoint of distributed.py": (1, lambda d, t: [d, "--resume", other_model_checkpoint(
+        t, arch="resnet18")], r"ckpt.pth.tar is not a 3D U-Net training checkpoint of this script$"),
     "a NaN voxel": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy",
                                                                         nan_volume()))],
                     r"^error: .*train/images/vol0.npy holds NaN or inf values: replace them \(numpy.nan_to_num\), or "
@@ -296,7 +307,7 @@ def nan_volume():
 def other_model_checkpoint(tmp_path, base_channels=16, depth=4, **content):
     path = tmp_path / "ckpt.pth.tar"
     model = {"in_channels": 1, "base_channels": base_channels, "depth": depth, "norm": "batch"}
-    torch.save({"arch": "unet3d", "model": model, "state_dict": {}, **content}, path)
+    torch.save({"arch": "unet3d", "model": model, "state_dict": {}, **content}, path)  # content's arch wins
     return path
 
 

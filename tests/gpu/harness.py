@@ -184,9 +184,9 @@ def find_process(job, rank, variable="RANK"):
 
 def worker(job, rank=0, variable="RANK", timeout=120):
     """Waits until the launcher of `job` has started the training process of `rank`, and returns it."""
-    deadline = time.time() + timeout
+    deadline = time.monotonic() + timeout
     while (process := find_process(job, rank, variable)) is None:
-        if time.time() > deadline or job.proc.poll() is not None:
+        if time.monotonic() > deadline or job.proc.poll() is not None:
             job.kill()
             pytest.fail(f"no process with {variable}={rank} in {' '.join(job.cmd)}:\n{job.output}")
         time.sleep(0.1)

@@ -88,9 +88,9 @@ def assert_rank_0_says(tmp_path, signum, expected, ends_within):
     rank_1 = worker(job, 1)
     job.wait_for_line("Epoch 0 [   2/1000]")
     rank_1.send_signal(signum)
-    started = time.time()
+    started = time.monotonic()
     job.finish(timeout=ends_within + 60)
-    assert job.returncode != 0 and time.time() - started < ends_within, job.output
+    assert job.returncode != 0 and time.monotonic() - started < ends_within, job.output
     errors = error_lines(job.output)
     assert len(errors) == 1 and re.match(f"error: {expected}", errors[0]), f"not rank 0's one line:\n{job.output}"
     tracebacks = job.output.count("Traceback (most recent call last)")
