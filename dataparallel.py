@@ -49,6 +49,13 @@ import sys
 import time
 import traceback  # [safety]
 
+# torch missing, or a torchvision made for another torch ("operator torchvision::nms does not exist")  # [safety]
+try:  # [safety]
+    import torchvision  # [safety]
+except Exception as e:  # [safety]
+    print(f"error: cannot import torchvision ({str(e).strip()[:200]}): install torch and the torchvision "  # [safety]
+          f"made for it (pip install -U torch torchvision)", file=sys.stderr)  # [safety]
+    sys.exit(2)  # [safety]
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -58,13 +65,6 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.optim import swa_utils  # [ema]
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 from torchvision.transforms import v2
-
-try:  # [fast-decode]
-    from torchcodec.decoders import decode_jpeg  # [fast-decode]
-    JPEG_DECODER = "torchcodec"  # [fast-decode]
-except (ImportError, OSError, RuntimeError) as e:  # [fast-decode]
-    why = f"torchcodec did not load ({e}); pip install torchcodec"  # [fast-decode]
-    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: {why}"  # [fast-decode]
 
 
 # =============================================================================================
@@ -1309,6 +1309,13 @@ class SyntheticImages(Dataset):
         return self.transform(img.clamp(0, 255).to(torch.uint8)), target
 # endregion [dummy]
 # region [fast-decode]: JPEGs decoded by torchcodec (libjpeg-turbo, without PIL's overhead) where it loads
+try:
+    from torchcodec.decoders import decode_jpeg
+    JPEG_DECODER = "torchcodec"
+except (ImportError, OSError, RuntimeError) as e:
+    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({e}); pip install torchcodec"
+
+
 def decode_file(path):
     """The JPEG at `path` as an RGB uint8 CxHxW tensor, decoded by torchcodec; None for what it cannot take (a PNG
     named .JPEG, a file cut short) and where it does not load: PIL decodes those (load_image), to the same pixels."""

@@ -35,7 +35,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "ddp_buffer_options", "span_union",
             "span_common", "StepProfiler", "benchmark",
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
-            "set_tf32", "compile_model", "SyntheticImages", "decode_file", "RandomResizedCropFlip", "DeviceDecoded",
+            "set_tf32", "compile_model", "SyntheticImages", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip",
+            "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["TORCH_MIN", "check_torch", "check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS",
           "add_foreign_flags", "MEMORY", "check_batch",
@@ -83,7 +84,8 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "d
                                   "lr_factor", "warmup_or_cosine", "clip_gradients", "ModelEMA", "set_tf32",
                                   "compile_model",
                                   "span_union", "span_common", "StepProfiler",
-                                  "NORMALIZE", "SyntheticImages", "load_image", "decode_file", "DeviceDecoded",
+                                  "NORMALIZE", "SyntheticImages", "load_image", "JPEG_DECODER", "decode_file",
+                                  "DeviceDecoded",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
                                   "Metrics", "benchmark",
                                   "memory_use",
@@ -92,9 +94,9 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "d
 
 def units(source):
     """The file in pieces: (header, [(key, leading, text)], tail). header: the docstring and imports; each unit a
-    top-level function, class or assignment (key: its name; ("=", name) for a name assigned again, such as
-    main_worker wrapped by the safety net), its text from its first decorator on, and `leading` the comments and
-    blank lines before it; tail: the `if __name__` block."""
+    top-level function, class, assignment or try block (key: its name, or the first a try assigns; ("=", name) for a
+    name assigned again, such as main_worker wrapped by the safety net), its text from its first decorator on, and
+    `leading` the comments and blank lines before it; tail: the `if __name__` block."""
     lines = source.splitlines(keepends=True)
     offset = [0]
     for line in lines:
@@ -109,6 +111,7 @@ def units(source):
         end = offset[node.end_lineno]
         # a name, or the class whose attribute is set again (RunState.load_state_dict wrapped by the safety net)
         names = [ast.unparse(t).split(".")[0] for t in getattr(node, "targets", [])] + [getattr(node, "name", None)]
+        names += [n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]  # a try
         name = next(filter(None, names))
         key = ("=", name) if name in seen else name
         seen.add(name)

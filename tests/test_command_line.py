@@ -136,13 +136,23 @@ def run_after(setup, script_name, *args, cwd):
                           cwd=cwd)
 
 
+# torchvision made for another torch fails as it registers its operators' fake kernels: here its import does that
+MISMATCHED_TORCHVISION = ("sys.meta_path.insert(0, type('Mismatch', (), {'find_spec': staticmethod(lambda name, *rest: "
+                          "torch.library.register_fake('torchvision::nms')(len) if name == 'torchvision' else None)}))")
+
+
 @pytest.mark.parametrize("script_name, setup, said", [
     ("distributed.py", "torch.__version__ = '2.4.1+cu121'", "torch 2.4.1+cu121 is older than this script needs (2.9)"),
     ("horovod_distributed.py", "sys.modules['horovod'] = None", "cannot import horovod.torch (No module named "),
+    ("fsdp_distributed.py", "sys.modules['torchvision'] = None", "cannot import torchvision (import of torchvision "
+     "halted; None in sys.modules): install torch and the torchvision made for it (pip install -U torch torchvision)"),
+    ("distributed.py", MISMATCHED_TORCHVISION, "cannot import torchvision (operator torchvision::nms does not exist): "
+     "install torch and the torchvision made for it"),
 ])
 def test_an_old_torch_or_no_horovod_from_the_command_line(script_name, setup, said, tmp_path):
-    """The whole way, for what the environment lacks: a torch too old, Horovod not installed (None in sys.modules:
-    its import fails as if it were missing). One line, exit code 2, before any work."""
+    """The whole way, for what the environment lacks: a torch too old, Horovod or torchvision not installed (None in
+    sys.modules: its import fails as if it were missing), a torchvision made for another torch. One line, exit code
+    2, before any work."""
     done = run_after(setup, script_name, "--dummy", cwd=tmp_path)
     assert done.returncode == 2 and done.stdout == "", done
     assert done.stderr.startswith(f"error: {said}") and done.stderr.count("\n") == 1, done
