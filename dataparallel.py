@@ -1312,7 +1312,7 @@ class SyntheticImages(Dataset):
 try:
     from torchcodec.decoders import decode_jpeg
     JPEG_DECODER = "torchcodec"
-except (ImportError, OSError, RuntimeError) as e:
+except Exception as e:  # not installed, or its libraries (FFmpeg's, torch's) do not fit
     decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({e}); pip install torchcodec"
 
 
@@ -1375,7 +1375,7 @@ class DeviceDecoded(Dataset):
     def __init__(self, dataset):
         try:
             from torchcodec.decoders import decode_jpeg
-        except (ImportError, OSError, RuntimeError) as e:  # not installed, or its library does not load
+        except Exception as e:  # not installed, or its libraries (FFmpeg's, torch's) do not fit
             raise UserError(f"--gpu-decode needs torchcodec, which did not load ({e}): pip install it") from None
         if getattr(dataset, "loader", None) is not load_image:
             raise UserError("--gpu-decode decodes image folders (DATA/train, DATA/val); this data is not one: leave "
@@ -1463,13 +1463,15 @@ class ImageCrops(Dataset):
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
     """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on. False
-    without the tensorboard package, an optional one: metrics.jsonl alone."""
+    where the tensorboard package, an optional one, does not load (missing, or made for another protobuf or numpy):
+    metrics.jsonl alone."""
     if rank != 0:
         return None
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        print("note: no TensorBoard logs (no tensorboard package: pip install tensorboard); metrics.jsonl has them")
+    except Exception as e:
+        print(f"note: no TensorBoard logs (tensorboard did not load: {str(e).strip()[:200]}; pip install -U "
+              f"tensorboard); metrics.jsonl has them")
         return False
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
     atexit.register(writer.close)

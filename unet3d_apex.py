@@ -1138,13 +1138,15 @@ def print_or_drop(*values):
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
     """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on. False
-    without the tensorboard package, an optional one: metrics.jsonl alone."""
+    where the tensorboard package, an optional one, does not load (missing, or made for another protobuf or numpy):
+    metrics.jsonl alone."""
     if rank != 0:
         return None
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        print("note: no TensorBoard logs (no tensorboard package: pip install tensorboard); metrics.jsonl has them")
+    except Exception as e:
+        print(f"note: no TensorBoard logs (tensorboard did not load: {str(e).strip()[:200]}; pip install -U "
+              f"tensorboard); metrics.jsonl has them")
         return False
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
     atexit.register(writer.close)
