@@ -66,13 +66,13 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-try:
+try:  # optional: only .tif volumes need it (missing, or made for another numpy: None)
     import tifffile
-except ImportError:
+except Exception:
     tifffile = None
-try:
+try:  # optional, for .nii volumes
     import nibabel
-except ImportError:
+except Exception:
     nibabel = None
 
 
@@ -865,11 +865,11 @@ def read_volume(path, shape_only=False):
     """The array in a volume file (.npy memory-mapped), or only its shape (read from the header)."""
     ext = split_name(path)[1]
     if ext in (".tif", ".tiff") and tifffile is None:
-        raise UserError(f"{path}: reading .tif/.tiff needs tifffile (pip install tifffile), "
-                        f"or convert the volumes to .npy")
+        raise UserError(f"{path}: reading .tif/.tiff needs tifffile, which is missing or does not load here "
+                        f"(pip install -U tifffile), or convert the volumes to .npy")
     if ext in (".nii", ".nii.gz") and nibabel is None:
-        raise UserError(f"{path}: reading .nii/.nii.gz needs nibabel (pip install nibabel), "
-                        f"or convert the volumes to .npy")
+        raise UserError(f"{path}: reading .nii/.nii.gz needs nibabel, which is missing or does not load here "
+                        f"(pip install -U nibabel), or convert the volumes to .npy")
     try:
         if ext == ".npy":
             array = np.load(path, mmap_mode="r", allow_pickle=False)

@@ -196,8 +196,8 @@ def add_pair(data, name, content=b"not a volume"):
 def optional_library_case(module, ext):
     """Without the library: name it and how to install it; with it, the junk file is unreadable."""
     if importlib.util.find_spec(module) is None:
-        expected = (rf"vol9{re.escape(ext)}: reading .* needs {module} \(pip install {module}\), "
-                    rf"or convert the volumes to .npy")
+        expected = (rf"vol9{re.escape(ext)}: reading .* needs {module}, which is missing or does not load here "
+                    rf"\(pip install -U {module}\), or convert the volumes to .npy")
     else:
         expected = rf"cannot read volume .*vol9{re.escape(ext)} .*: replace or remove the file"
     return (1, lambda d, t: [broken_copy(d, t, lambda x: add_pair(x, f"vol9{ext}"))], expected)
@@ -309,6 +309,19 @@ def other_model_checkpoint(tmp_path, base_channels=16, depth=4, **content):
     model = {"in_channels": 1, "base_channels": base_channels, "depth": depth, "norm": "batch"}
     torch.save({"arch": "unet3d", "model": model, "state_dict": {}, **content}, path)  # content's arch wins
     return path
+
+
+def test_a_reader_installed_but_broken_is_needed_by_its_volumes_only(npy_data, tmp_path):
+    """tifffile made for another numpy fails as it imports: the script starts all the same (it used to stop at its
+    import, in a traceback, whatever the data), and only a .tif volume needs it."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "tifffile.py").write_text("raise AttributeError('np.float_ was removed in NumPy 2.0')\n")
+    data = broken_copy(npy_data, tmp_path, lambda x: add_pair(x, "vol9.tif"))
+    job = python(SCRIPT, *TINY, "--epochs", "1", "--output-dir", tmp_path / "out", data,
+                 env={"PYTHONPATH": str(tmp_path / "site")}).finish(timeout=120)
+    assert job.returncode == 2 and "Traceback" not in job.output, job.output
+    assert re.search(r"^error: .*vol9.tif: reading .tif/.tiff needs tifffile, which is missing or does not load "
+                     r"here \(pip install -U tifffile\)", job.output, re.M), job.output
 
 
 @pytest.mark.parametrize("name", CASES)
