@@ -57,8 +57,8 @@ import traceback  # [safety]
 try:  # [safety]
     import torchvision  # [safety]
 except Exception as e:  # [safety]
-    print(f"error: cannot import torchvision ({str(e).strip()[:200]}): install torch and the torchvision "  # [safety]
-          f"made for it (pip install -U torch torchvision)", file=sys.stderr)  # [safety]
+    print(f"error: cannot import torchvision ({' '.join(str(e).split())[:200]}): install torch and the "  # [safety]
+          f"torchvision made for it (pip install -U torch torchvision)", file=sys.stderr)  # [safety]
     sys.exit(2)  # [safety]
 import torch
 import torch.distributed as dist
@@ -973,7 +973,8 @@ def load_pretrained(model, args):
         path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
         fix = (f"delete {path}, and the next run downloads it again" if os.path.isfile(path) else
                f"check network access, or put the file into {os.path.dirname(path)}/")
-        raise UserError(f"cannot load pretrained weights {weights.url} ({e}): {fix}") from None
+        why = " ".join(str(e).split())[:200]  # on one line: a UserError keeps only its last
+        raise UserError(f"cannot load pretrained weights {weights.url} ({why}): {fix}") from None
     own = model.state_dict()
     model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape}, strict=False)
 # endregion [pretrained]
@@ -1314,7 +1315,8 @@ try:
     from torchcodec.decoders import decode_jpeg
     JPEG_DECODER = "torchcodec"
 except Exception as e:  # not installed, or its libraries (FFmpeg's, torch's) do not fit
-    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({e}); pip install torchcodec"
+    why = " ".join(str(e).split())[:300]  # on one line: torchcodec's own runs over many
+    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({why}); pip install torchcodec"
 
 
 def decode_file(path):
@@ -1377,7 +1379,8 @@ class DeviceDecoded(Dataset):
         try:
             from torchcodec.decoders import decode_jpeg
         except Exception as e:  # not installed, or its libraries (FFmpeg's, torch's) do not fit
-            raise UserError(f"--gpu-decode needs torchcodec, which did not load ({e}): pip install it") from None
+            why = " ".join(str(e).split())[:300]  # on one line: a UserError keeps only its last
+            raise UserError(f"--gpu-decode needs torchcodec, which did not load ({why}): pip install it") from None
         if getattr(dataset, "loader", None) is not load_image:
             raise UserError("--gpu-decode decodes image folders (DATA/train, DATA/val); this data is not one: leave "
                             "--gpu-decode out")
@@ -1440,7 +1443,7 @@ def call_spec(spec, flag, *args, **kwargs):
     except Exception as e:
         called = ", ".join([*("args" for _ in args), *(f"{k}={v}" for k, v in kwargs.items())])
         raise UserError(f"{flag} {spec}: {spec.split(':')[1]}({called}) failed ({type(e).__name__}: "
-                        f"{str(e).strip()[:200]})") from None
+                        f"{' '.join(str(e).split())[:200]})") from None
 
 
 class ImageCrops(Dataset):
@@ -1471,8 +1474,9 @@ def open_writer(args, rank, epoch):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except Exception as e:
-        print(f"note: no TensorBoard logs (tensorboard did not load: {str(e).strip()[:200]}; pip install -U "
-              f"tensorboard); metrics.jsonl has them")
+        why = " ".join(str(e).split())[:200]  # on one line
+        print(f"note: no TensorBoard logs (tensorboard did not load: {why}; pip install -U tensorboard); "
+              f"metrics.jsonl has them")
         return False
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
     atexit.register(writer.close)
@@ -1706,8 +1710,8 @@ def check_datasets(sets, args):
         except UserError:
             raise
         except Exception as e:
-            raise UserError(f"{source}: its {split} set's item 0 failed ({type(e).__name__}: {str(e).strip()[:200]})"
-                            ) from None
+            why = " ".join(str(e).split())[:200]  # on one line: a UserError keeps only its last
+            raise UserError(f"{source}: its {split} set's item 0 failed ({type(e).__name__}: {why})") from None
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
             pair = isinstance(item, (tuple, list)) and len(item) == 2  # an input of another type: a PIL image, numpy
             parts = f" {tuple(type(x).__name__ for x in item)}" if isinstance(item, (tuple, list)) else ""

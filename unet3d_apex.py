@@ -1145,8 +1145,9 @@ def open_writer(args, rank, epoch):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except Exception as e:
-        print(f"note: no TensorBoard logs (tensorboard did not load: {str(e).strip()[:200]}; pip install -U "
-              f"tensorboard); metrics.jsonl has them")
+        why = " ".join(str(e).split())[:200]  # on one line
+        print(f"note: no TensorBoard logs (tensorboard did not load: {why}; pip install -U tensorboard); "
+              f"metrics.jsonl has them")
         return False
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
     atexit.register(writer.close)

@@ -86,13 +86,16 @@ class Unloadable(types.ModuleType):
 
 
 @pytest.mark.parametrize("error", [None, OSError("libtorchcodec_core8.so: cannot open shared object file"),
-                                   RuntimeError("libtorchcodec_core8.so: undefined symbol: _ZN3c10")])
+                                   RuntimeError("libtorchcodec_core8.so: undefined symbol: _ZN3c10"),
+                                   RuntimeError("Could not load libtorchcodec. Likely causes:\n  1. FFmpeg is not "
+                                                "properly installed.\n  2. The PyTorch version is not compatible.")])
 def test_without_torchcodec_jpegs_go_to_pil_and_the_log_says_why(error, monkeypatch):
-    """Not installed (None: ImportError), or a build for another torch whose library does not load: PIL decodes
-    every JPEG, and rank 0's first line says so (JPEG_DECODER), why, and what to install."""
+    """Not installed (None: ImportError), or a build for another torch or FFmpeg whose library does not load: PIL
+    decodes every JPEG, and rank 0's first line says so (JPEG_DECODER), why (on that line, however many lines
+    torchcodec's own message takes), and what to install."""
     monkeypatch.setitem(sys.modules, "torchcodec.decoders", error and Unloadable(error))  # None: not installed
     module = import_script("distributed.py")
-    why = error or "import of torchcodec.decoders halted; None in sys.modules"
+    why = " ".join(str(error or "import of torchcodec.decoders halted; None in sys.modules").split())
     assert module.decode_jpeg is None
     assert module.JPEG_DECODER == f"PIL, slower: torchcodec did not load ({why}); pip install torchcodec"
     with pytest.raises(module.UserError) as raised:
