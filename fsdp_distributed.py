@@ -280,14 +280,12 @@ def describe_processes(args, world_size, device, group):
 
 
 def prepare_model(model, args, device, log):
-    """The model sharded over the processes (FSDP2): each block (blocks) is a group of its own, whose weights are
-    all-gathered just before its forward and its backward and freed after, and whose gradients are
-    reduce-scattered in backward; the root holds the rest. Each process keeps a 1/N shard of every weight (fp32),
-    of its gradient and of its optimizer state. With --amp, a MixedPrecisionPolicy: the gathered weights and the
-    computation in the half dtype, the gradients reduced in fp32, the logits handed to the loss in fp32. The model
-    comes in on the CPU, the same on every rank (check_and_load seeds it): fully_shard moves each group's shards to
-    the device, one group at a time. --channels-last leaves the weights contiguous (fully_shard takes no other) and
-    gives the model channels-last inputs (the Prefetcher): convolutions follow their input's memory format."""
+    """The model sharded over the processes (FSDP2): each block (blocks) a group whose weights are all-gathered just
+    before its forward and its backward and freed after, its gradients reduce-scattered in backward; the root holds
+    the rest. Each process keeps a 1/N shard of every weight (fp32), its gradient and its optimizer state. --amp: a
+    MixedPrecisionPolicy (gathered weights and compute in the half dtype, gradients reduced and logits out in fp32).
+    The model comes in on the CPU, alike on every rank (main_worker seeds it); fully_shard moves each group's shards
+    to the device. --channels-last: contiguous weights (fully_shard takes no other), channels-last inputs."""
     model = sync_batchnorm(model, args, device, log)  # [sync-bn]
     mesh = device_mesh(args, device)
     half = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
