@@ -571,8 +571,9 @@ class UserError(Exception):
     """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
 
     def __str__(self):
-        # raised in a DataLoader worker, the message comes back wrapped in the worker's traceback
-        return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1]
+        # on one line, whatever text it quotes; raised in a DataLoader worker, it comes back after the worker's
+        # traceback, which ends in "UserError: " and the message
+        return " ".join(super().__str__().split()).split(f"{type(self).__name__}: ")[-1]
 
 
 class RankError(UserError):
@@ -973,8 +974,7 @@ def load_pretrained(model, args):
         path = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
         fix = (f"delete {path}, and the next run downloads it again" if os.path.isfile(path) else
                f"check network access, or put the file into {os.path.dirname(path)}/")
-        why = " ".join(str(e).split())[:200]  # on one line: a UserError keeps only its last
-        raise UserError(f"cannot load pretrained weights {weights.url} ({why}): {fix}") from None
+        raise UserError(f"cannot load pretrained weights {weights.url} ({str(e)[:200]}): {fix}") from None
     own = model.state_dict()
     model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape}, strict=False)
 # endregion [pretrained]
@@ -1379,8 +1379,8 @@ class DeviceDecoded(Dataset):
         try:
             from torchcodec.decoders import decode_jpeg
         except Exception as e:  # not installed, or its libraries (FFmpeg's, torch's) do not fit
-            why = " ".join(str(e).split())[:300]  # on one line: a UserError keeps only its last
-            raise UserError(f"--gpu-decode needs torchcodec, which did not load ({why}): pip install it") from None
+            raise UserError(f"--gpu-decode needs torchcodec, which did not load ({str(e)[:300]}): "
+                            f"pip install torchcodec") from None
         if getattr(dataset, "loader", None) is not load_image:
             raise UserError("--gpu-decode decodes image folders (DATA/train, DATA/val); this data is not one: leave "
                             "--gpu-decode out")
@@ -1443,7 +1443,7 @@ def call_spec(spec, flag, *args, **kwargs):
     except Exception as e:
         called = ", ".join([*("args" for _ in args), *(f"{k}={v}" for k, v in kwargs.items())])
         raise UserError(f"{flag} {spec}: {spec.split(':')[1]}({called}) failed ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:200]})") from None
+                        f"{str(e)[:200]})") from None
 
 
 class ImageCrops(Dataset):
@@ -1710,8 +1710,7 @@ def check_datasets(sets, args):
         except UserError:
             raise
         except Exception as e:
-            why = " ".join(str(e).split())[:200]  # on one line: a UserError keeps only its last
-            raise UserError(f"{source}: its {split} set's item 0 failed ({type(e).__name__}: {why})") from None
+            raise UserError(f"{source}: its {split} set's item 0 failed ({type(e).__name__}: {str(e)[:200]})") from None
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor)):
             pair = isinstance(item, (tuple, list)) and len(item) == 2  # an input of another type: a PIL image, numpy
             parts = f" {tuple(type(x).__name__ for x in item)}" if isinstance(item, (tuple, list)) else ""
@@ -1963,7 +1962,7 @@ def explain_unreadable(read_checkpoint):
 
 def explain_damaged(load_state_dict):
     """RunState.load_state_dict; a checkpoint whose parts do not load (damaged, or made by hand or by another
-    program: check_fit has checked its weights and the types of its parts) stops the run in one line."""
+    program, in ways the checks before it cannot see) stops the run in one line."""
     def load(run, ckpt, args, *rest):
         try:
             return load_state_dict(run, ckpt, args, *rest)

@@ -506,8 +506,9 @@ class UserError(Exception):
     """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
 
     def __str__(self):
-        # raised in a DataLoader worker, the message comes back wrapped in the worker's traceback
-        return super().__str__().strip().splitlines()[-1].split(f"{type(self).__name__}: ")[-1]
+        # on one line, whatever text it quotes; raised in a DataLoader worker, it comes back after the worker's
+        # traceback, which ends in "UserError: " and the message
+        return " ".join(super().__str__().split()).split(f"{type(self).__name__}: ")[-1]
 
 
 class RankError(UserError):
@@ -1363,7 +1364,7 @@ def explain_unreadable(read_checkpoint):
 
 def explain_damaged(load_state_dict):
     """RunState.load_state_dict; a checkpoint whose parts do not load (damaged, or made by hand or by another
-    program: check_fit has checked its weights and the types of its parts) stops the run in one line."""
+    program, in ways the checks before it cannot see) stops the run in one line."""
     def load(run, ckpt, args, *rest):
         try:
             return load_state_dict(run, ckpt, args, *rest)

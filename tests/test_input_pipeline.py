@@ -100,7 +100,7 @@ def test_without_torchcodec_jpegs_go_to_pil_and_the_log_says_why(error, monkeypa
     assert module.JPEG_DECODER == f"PIL, slower: torchcodec did not load ({why}); pip install torchcodec"
     with pytest.raises(module.UserError) as raised:
         module.DeviceDecoded(None)
-    assert str(raised.value) == f"--gpu-decode needs torchcodec, which did not load ({why}): pip install it"
+    assert str(raised.value) == f"--gpu-decode needs torchcodec, which did not load ({why}): pip install torchcodec"
 
 
 def test_gpu_decode_makes_the_batches_the_loader_workers_make(script, tmp_path):
