@@ -742,8 +742,7 @@ class UserError(Exception):
     """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
 
     def __str__(self):
-        # on one line, whatever text it quotes; raised in a DataLoader worker, it comes back after the worker's
-        # traceback, which ends in "UserError: " and the message
+        # on one line, whatever it quotes; raised in a loader worker, it ends the worker's traceback after "UserError: "
         return " ".join(super().__str__().split()).split(f"{type(self).__name__}: ")[-1]
 
 

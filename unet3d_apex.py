@@ -85,11 +85,11 @@ def parse_args(argv=None):
     add = p.add_argument
     add("data", nargs="?", metavar="DIR",
         help="folder with train/images, train/labels, val/images, val/labels (not needed with --synthetic)")
-    add("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")
-    add("--synthetic-size", type=in_range(int, 1, below=10**7), default=40, metavar="N",
-        help="with --synthetic: training volumes (validation gets N/4; an epoch's order is a list in memory)")
-    add("--synthetic-shape", type=in_range(int, 1), nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"),
-        help="with --synthetic: volume size")
+    add("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")  # [synthetic]
+    add("--synthetic-size", type=in_range(int, 1, below=10**7), default=40, metavar="N",  # [synthetic]
+        help="with --synthetic: training volumes (validation N/4; an epoch's order is a list in memory)")  # [synthetic]
+    add("--synthetic-shape", type=in_range(int, 1), nargs=3, default=(40, 176, 176),  # [synthetic]
+        metavar=("D", "H", "W"), help="with --synthetic: volume size")  # [synthetic]
     add("--patch-size", type=in_range(int, 1), nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
         help="training patch and evaluation tile; each must divide by 2**(depth-1); smaller volumes are zero-padded")
     add("--patches-per-volume", type=in_range(int, 1), default=4,
@@ -127,9 +127,9 @@ def parse_args(argv=None):
 
 
 def build_datasets(args):
-    if args.synthetic:
-        return (SyntheticVolumes(args.synthetic_size, args.synthetic_shape),
-                SyntheticVolumes(max(args.synthetic_size // 4, 1), args.synthetic_shape, offset=10**9))
+    if args.synthetic:  # [synthetic]
+        return (SyntheticVolumes(args.synthetic_size, args.synthetic_shape),  # [synthetic]
+                SyntheticVolumes(max(args.synthetic_size // 4, 1), args.synthetic_shape, offset=10**9))  # [synthetic]
     if not (args.data and os.path.isdir(args.data)):  # [safety]
         raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ inside, "  # [safety]
                         f"or --synthetic")  # [safety]
@@ -506,8 +506,7 @@ class UserError(Exception):
     """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
 
     def __str__(self):
-        # on one line, whatever text it quotes; raised in a DataLoader worker, it comes back after the worker's
-        # traceback, which ends in "UserError: " and the message
+        # on one line, whatever it quotes; raised in a loader worker, it ends the worker's traceback after "UserError: "
         return " ".join(super().__str__().split()).split(f"{type(self).__name__}: ")[-1]
 
 
@@ -967,32 +966,6 @@ class VolumeFolder(Dataset):
                                 f"{' ...' if len(values) > 6 else ''}): labels must hold only 0 and 1")
 
 
-class SyntheticVolumes(Dataset):
-    """1 to 3 random ellipsoids of random brightness in noise, and their mask: learnable, and volume i
-    is the same on every call, rank and run."""
-
-    def __init__(self, size, shape, offset=0):
-        self.size, self.offset, self.channels = size, offset, 1
-        self.shapes = [tuple(shape)] * size
-
-    def __len__(self):
-        return self.size
-
-    def __getitem__(self, index):
-        g = torch.Generator().manual_seed(self.offset + index)
-        shape = self.shapes[0]
-        grid = torch.stack(torch.meshgrid(*(torch.arange(s, dtype=torch.float32) for s in shape), indexing="ij"))
-        size = torch.tensor(shape, dtype=torch.float32).view(3, 1, 1, 1)
-        image, mask = torch.randn(shape, generator=g), torch.zeros(shape, dtype=torch.bool)
-        for _ in range(int(torch.randint(1, 4, (), generator=g))):
-            centre = (torch.rand(3, 1, 1, 1, generator=g) * 0.6 + 0.2) * size
-            radius = (torch.rand(3, 1, 1, 1, generator=g) * 0.15 + 0.12) * size
-            inside = (((grid - centre) / radius) ** 2).sum(0) <= 1
-            image += inside * (1.0 + 0.5 * torch.rand((), generator=g))
-            mask |= inside
-        return volume_tensors(image.numpy(), mask.numpy())
-
-
 def pad_to(tensor, size):
     """Zero-pads the last three dimensions at their far end up to at least `size`."""
     pads = [max(s - t, 0) for t, s in zip(tensor.shape[-3:], size)]
@@ -1167,6 +1140,32 @@ def write_epoch(row, writer, output_dir):
             writer.add_scalar(key, value, row["epoch"])
     writer.flush()
 # endregion [logs]
+# region [synthetic]: --synthetic, --synthetic-size, --synthetic-shape: learnable generated volumes, for demos and tests
+class SyntheticVolumes(Dataset):
+    """1 to 3 random ellipsoids of random brightness in noise, and their mask: learnable, and volume i
+    is the same on every call, rank and run."""
+
+    def __init__(self, size, shape, offset=0):
+        self.size, self.offset, self.channels = size, offset, 1
+        self.shapes = [tuple(shape)] * size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        g = torch.Generator().manual_seed(self.offset + index)
+        shape = self.shapes[0]
+        grid = torch.stack(torch.meshgrid(*(torch.arange(s, dtype=torch.float32) for s in shape), indexing="ij"))
+        size = torch.tensor(shape, dtype=torch.float32).view(3, 1, 1, 1)
+        image, mask = torch.randn(shape, generator=g), torch.zeros(shape, dtype=torch.bool)
+        for _ in range(int(torch.randint(1, 4, (), generator=g))):
+            centre = (torch.rand(3, 1, 1, 1, generator=g) * 0.6 + 0.2) * size
+            radius = (torch.rand(3, 1, 1, 1, generator=g) * 0.15 + 0.12) * size
+            inside = (((grid - centre) / radius) ** 2).sum(0) <= 1
+            image += inside * (1.0 + 0.5 * torch.rand((), generator=g))
+            mask |= inside
+        return volume_tensors(image.numpy(), mask.numpy())
+# endregion [synthetic]
 # =============================================================================================
 # Part 3, the safety net: checks before training, and a failure anywhere made one line that names the fix.
 # Keep it, or delete it whole: its region and every line tagged [safety].
@@ -1228,8 +1227,9 @@ def check_args(args):
     if any(p % 2 ** (args.depth - 1) for p in args.patch_size):
         raise UserError(f"--patch-size {' '.join(map(str, args.patch_size))}: with --depth {args.depth} each side "
                         f"must be a positive multiple of {2 ** (args.depth - 1)} (2**(depth-1))")
-    if args.synthetic and args.data:
-        raise UserError(f"--synthetic makes its own volumes, and {args.data} names a folder: give one of them")
+    if args.synthetic and args.data:  # [synthetic]
+        raise UserError(f"--synthetic makes its own volumes, and {args.data} names a folder: give one "  # [synthetic]
+                        f"of them")  # [synthetic]
 
 
 FOREIGN_FLAGS = {  # other scripts' flags that users bring along, and what this one does instead
@@ -1266,13 +1266,15 @@ def check_run(args, world_size, device, sets, rank):
     if args.batch_size % world_size:
         raise UserError(f"--batch-size {args.batch_size} is the global batch and must divide by the world size "
                         f"{world_size}: use e.g. {max(args.batch_size // world_size, 1) * world_size}")
-    patch, shape = (" ".join(map(str, sides)) for sides in (args.patch_size, args.synthetic_shape))
+    patch = " ".join(map(str, args.patch_size))
     sizes = {f"--patch-size {patch} with -b {args.batch_size} and --base-channels {args.base_channels}": (
-                 args.patch_size, args.batch_size // world_size * args.base_channels, "the first level's features"),
-             f"--synthetic-shape {shape}": (args.synthetic_shape if args.synthetic else (), 1, "one volume")}
+             args.patch_size, args.batch_size // world_size * args.base_channels, "the first level's features")}
+    if args.synthetic:  # [synthetic]
+        shape = " ".join(map(str, args.synthetic_shape))  # [synthetic]
+        sizes[f"--synthetic-shape {shape}"] = (args.synthetic_shape, 1, "one volume")  # [synthetic]
     for given, (sides, count, what) in sizes.items():
         need = count * math.prod(sides) * 4  # as float32 (a model needs more)
-        if sides and need > MEMORY:
+        if need > MEMORY:
             raise UserError(f"{given}: {what}, {count} float volume(s) of that size per process, take "
                             f"{need / 2**30:.0f} GiB, more than this machine's {MEMORY / 2**30:.0f} GiB: give smaller "
                             f"sizes")

@@ -157,17 +157,26 @@ def layout(script):
     their_banners = {}
     for _, leading, _ in mine:
         their_banners.update(banners(leading))
-    after, anchor = {}, None
+    # a block only the sibling has: its region's lines go with its definitions, after the reference's block they follow
+    ref_regions = set(re.findall(r"^# region \[([a-z0-9-]+)\]", "".join(u[1] for u in ref_units), re.M))
+    markers = re.compile(r"^# (end)?region \[([a-z0-9-]+)\]")
+    after, anchor, last = {}, None, None
     for key, leading, text in mine:
+        closing = [line for line in leading.splitlines(keepends=True)
+                   if markers.match(line) and markers.match(line)[1] and markers.match(line)[2] not in ref_regions]
+        if closing and last:
+            last[-1] += "".join(closing)
         if key in ref_keys:
-            anchor = key
-        else:  # only the sibling has it: its comments, without banners and the old layout's section lines
-            for banner in banners(leading).values():
+            anchor, last = key, None
+        else:  # only the sibling has it: its comments, without banners, the old layout's section lines, and the
+            for banner in banners(leading).values():  # reference's region lines (the reference's leading has them)
                 leading = leading.replace(banner, "")
             kept = "".join(line for line in leading.splitlines(keepends=True)
-                           if not line.startswith(("# ===", "# --- ")))
-            after.setdefault(anchor, []).append(kept + text)
-    out = [header]
+                           if not line.startswith(("# ===", "# --- ")) and line not in closing
+                           and not (markers.match(line) and markers.match(line)[2] in ref_regions))
+            last = after.setdefault(anchor, [])
+            last.append(kept + text)
+    out, deferred = [header], []
     out += after.get(None, [])
     for key, leading, text in ref_units:
         name = key if isinstance(key, str) else key[1]
@@ -175,10 +184,20 @@ def layout(script):
             leading = leading.replace(banner, their_banners.get(title, banner))
         carried = name not in skip and (key in theirs or name in SHARED)
         comments = "".join(line for line in leading.splitlines(keepends=True) if line.startswith("#"))
-        out.append(leading if carried else comments)
+        piece = leading if carried else comments
+        if deferred:  # after the regions that close here
+            ends = re.match(r"(\n|# endregion \[[^\n]*\n)*", piece)[0]
+            piece = ends + "".join(deferred) + piece[len(ends):]
+            deferred = []
+        out.append(piece)
         if carried:
             out.append(theirs[key] if name in own and key in theirs else text)
-        out += ["\n\n" + extra for extra in after.get(key, [])]
+        for extra in after.get(key, []):
+            opened = markers.match(extra.lstrip("\n"))
+            if opened and opened[2] not in ref_regions:
+                deferred.append(extra.lstrip("\n"))
+            else:
+                out.append("\n\n" + extra)
     text = "".join(out) + tail
     while True:  # regions left empty: the sibling carries none of their definitions
         emptied = re.sub(r"^# region \[([a-z0-9-]+)\][^\n]*\n(#[^\n]*\n)*# endregion \[\1\]\n", "", text, flags=re.M)
