@@ -10,8 +10,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import LAUNCHER_FAILED, OUTPUT_FILES, import_script, load, metrics, ok, python, torchrun
+from conftest import (LAUNCHER_FAILED, OUTPUT_FILES, assert_same_tensors, import_script, load, metrics, ok, python,
+                      torchrun)
 from test_bad_input import MEMORY, broken_copy
+from test_cuts import cut
 
 SCRIPT = "unet3d_apex.py"
 # a small U-Net on 16³ patches, no loader workers, no progress lines unless a test asks
@@ -169,6 +171,22 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(npy_data, tmp_path, un
                  timeout=180)
     assert f"(epoch {ckpt['epoch']}, step {ckpt['step']})" in resumed.output
     assert_same_run(tmp_path, uninterrupted[1])
+
+
+@pytest.mark.xdist_group("unet3d_uninterrupted")
+def test_the_core_trains_on_a_volume_folder_and_resumes_to_the_weights_of_the_whole_script(npy_data, tmp_path,
+                                                                                           uninterrupted):
+    """The copier's cut (README: Copy only what you need): every block deleted, --synthetic's too, what is left trains
+    on a volume folder under torchrun with loader workers, resumes, and ends with the whole script's weights."""
+    core = cut(SCRIPT, tmp_path / "core")
+    assert "SyntheticVolumes" not in core.read_text() and "add(\"--synthetic" not in core.read_text()
+    ok(torchrun(core, 2, npy_data, *NPY, "-j", "2", "--epochs", "1", "--output-dir", tmp_path), timeout=180)
+    job = ok(torchrun(core, 2, npy_data, *NPY, "-j", "2", "--epochs", "2", "--resume", "auto", "--output-dir",
+                      tmp_path), timeout=180)
+    assert "(epoch 1, step 0)" in job.output
+    ours, whole = (load(out / "checkpoint.pth.tar") for out in (tmp_path, uninterrupted[1]))
+    assert ours["epoch"] == whole["epoch"] == 2
+    assert_same_tensors(ours["state_dict"], whole["state_dict"])
 
 
 def test_cpu_notices_for_amp_and_sync_bn_and_group_norm_trains(tmp_path):
