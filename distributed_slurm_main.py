@@ -156,35 +156,12 @@ SLURM_VARS = ("SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "
 
 
 def slurm_task():
-    """(procid, ntasks, localid, nodeid) of this srun task; a job of one task when srun did not start it."""
-    env, present = os.environ, [v for v in SLURM_VARS if v in os.environ]
-    check_slurm_numbers()  # [safety]
-    if "SLURM_STEP_ID" not in env and "SLURM_JOB_ID" in env:  # the batch script (or salloc shell) itself
-        if int(env.get("SLURM_NTASKS", 1)) > 1:
-            raise UserError(f"this is the batch script of a job of {env['SLURM_NTASKS']} tasks, not one of the "
-                            f"tasks: start the training with srun python {os.path.basename(__file__)} ...")
+    """(procid, ntasks, localid, nodeid) of this srun task; a job of one task when srun did not start it (no Slurm,
+    or the batch script or salloc shell itself)."""
+    check_slurm_task()  # [safety]
+    if "SLURM_STEP_ID" not in os.environ:
         return 0, 1, 0, 0
-    if present and len(present) < len(SLURM_VARS):
-        raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in SLURM_VARS if v not in present)}: "
-                        f"start the script with srun, or unset the SLURM_* variables to run one process")
-    task, family = env.get("SLURM_TASK_PID"), process_and_parents()
-    if present and task and family and int(task) not in family:  # copied into a shell that outlived its job
-        raise RankError(f"the SLURM_* variables are job {env['SLURM_JOB_ID']}'s, whose task {task} is not this process "
-                        f"or a parent of it: start the script with srun, or unset them to run one process")
-    return tuple(int(env[v]) for v in SLURM_VARS[2:]) if present else (0, 1, 0, 0)
-
-
-def process_and_parents():
-    """The ids of this process and of its parents up to init, from /proc (None where there is none)."""
-    pids, pid = [], os.getpid()
-    while pid > 1:
-        pids.append(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: the parent
-        except (OSError, ValueError, IndexError):
-            return None
-    return pids
+    return tuple(int(os.environ[v]) for v in SLURM_VARS[2:])
 
 
 def expand_hostlist(hostlist):
@@ -275,24 +252,24 @@ def find_processes(args, local_index):
     world is SLURM_NTASKS * N (not SLURM_NPROCS, which counts tasks: the job would wait forever)."""
     procid, ntasks, localid, nodeid = slurm_task()
     if args.procs_per_node:
-        if ntasks != int(os.environ.get("SLURM_NNODES", ntasks)):
-            raise UserError(f"--procs-per-node needs one task per node, not {ntasks} tasks on "
-                            f"{os.environ['SLURM_NNODES']} nodes: srun --ntasks-per-node=1")
+        if ntasks != int(os.environ.get("SLURM_NNODES", ntasks)):  # [safety]
+            raise UserError(f"--procs-per-node needs one task per node, not {ntasks} tasks on "  # [safety]
+                            f"{os.environ['SLURM_NNODES']} nodes: srun --ntasks-per-node=1")  # [safety]
         rank, local_rank = nodeid * args.procs_per_node + local_index, local_index
         die_with_parent(signal.SIGTERM)  # [preemption]
         world_size = ntasks * args.procs_per_node
     else:
         rank, local_rank, world_size = procid, localid, ntasks
-    folder = os.path.dirname(os.path.abspath(args.dist_file or "."))
-    if args.dist_file and not os.path.isdir(folder):
-        raise UserError(f"--dist-file {args.dist_file}: folder {folder} not found; give a path in a folder that "
-                        f"every node shares (e.g. on the filesystem of your home)")
+    folder = os.path.dirname(os.path.abspath(args.dist_file or "."))  # [safety]
+    if args.dist_file and not os.path.isdir(folder):  # [safety]
+        raise UserError(f"--dist-file {args.dist_file}: folder {folder} not found; give a path in a "  # [safety]
+                        f"folder that every node shares (e.g. on the filesystem of your home)")  # [safety]
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
     gpu = 0 if torch.cuda.device_count() == 1 else local_rank  # --gpus-per-task=1 shows each task only its own GPU
-    if gpu >= torch.cuda.device_count():
-        raise RankError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                        f"start at most that many processes per node, or ask Slurm for --gpus-per-task=1")
+    if gpu >= torch.cuda.device_count():  # [safety]
+        raise RankError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "  # [safety]
+                        f"start at most that many processes per node, or ask Slurm for --gpus-per-task=1")  # [safety]
     torch.cuda.set_device(gpu)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", gpu)
 
@@ -1749,9 +1726,11 @@ def add_foreign_flags(parser):
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
 
 
-def check_slurm_numbers():
-    """Slurm's variables set by hand or by a wrapper: not numbers, or a task past the job's tasks."""
-    env = os.environ
+def check_slurm_task():
+    """Slurm's variables that no srun task of this job would have: set by hand or by a wrapper (not numbers, or a
+    task past the job's tasks; some of a task's but not all), the batch script of a job of several tasks, or a
+    task's copied into a shell that outlived its job."""
+    env, present = os.environ, [v for v in SLURM_VARS if v in os.environ]
     numbers = [v for v in (*SLURM_VARS, "SLURM_NNODES", "SLURM_TASK_PID", "SLURM_RESTART_COUNT", "MASTER_PORT")
                if v in env]
     if not (all(env[v].isdigit() for v in numbers) and int(env.get("SLURM_PROCID", 0)) < int(env.get("SLURM_NTASKS", 1))
@@ -1759,6 +1738,31 @@ def check_slurm_numbers():
         shown = ", ".join(f"{v}={env[v]!r}" for v in numbers)
         raise RankError(f"Slurm's variables are not numbers that fit together ({shown}): start the script with srun, "
                         f"or unset the SLURM_* variables to run one process")
+    if "SLURM_STEP_ID" not in env and "SLURM_JOB_ID" in env:  # the batch script (or salloc shell) itself
+        if int(env.get("SLURM_NTASKS", 1)) > 1:
+            raise UserError(f"this is the batch script of a job of {env['SLURM_NTASKS']} tasks, not one of the "
+                            f"tasks: start the training with srun python {os.path.basename(__file__)} ...")
+        return
+    if present and len(present) < len(SLURM_VARS):
+        raise RankError(f"{', '.join(present)} set but not {', '.join(v for v in SLURM_VARS if v not in present)}: "
+                        f"start the script with srun, or unset the SLURM_* variables to run one process")
+    task, family = env.get("SLURM_TASK_PID"), process_and_parents()
+    if present and task and family and int(task) not in family:  # copied into a shell that outlived its job
+        raise RankError(f"the SLURM_* variables are job {env['SLURM_JOB_ID']}'s, whose task {task} is not this process "
+                        f"or a parent of it: start the script with srun, or unset them to run one process")
+
+
+def process_and_parents():
+    """The ids of this process and of its parents up to init, from /proc (None where there is none)."""
+    pids, pid = [], os.getpid()
+    while pid > 1:
+        pids.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: the parent
+        except (OSError, ValueError, IndexError):
+            return None
+    return pids
 
 
 def check_launch_args(args, world_size, device):

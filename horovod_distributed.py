@@ -41,7 +41,7 @@ import random
 import resource  # [benchmark]
 import shutil
 import signal
-import socket
+import socket  # [safety]
 import sys
 import time
 import traceback  # [safety]
@@ -141,11 +141,6 @@ def parse_args(argv=None):
     return args
 
 
-# what horovodrun (gloo) gives each process; HOROVOD_CONTROLLER and the like are harmless alone
-HOROVODRUN_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
-                   "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
-
-
 def build_model(args, num_classes, load_weights=True):
     """The model: an nn.Module mapping a batch of inputs (on the device; images as normalized floats) to num_classes
     logits. Edit this and build_datasets for your own model and data, nothing else. Here a torchvision model, or with
@@ -217,37 +212,17 @@ def build_datasets(args):
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from Horovod, or one process when started
     without horovodrun."""
-    check_horovodrun_env()
+    check_horovodrun_env()  # [safety]
     os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(math.ceil(args.dist_timeout)))  # read by init()
     hvd.init()
     rank, local_rank, world_size = hvd.rank(), hvd.local_rank(), hvd.size()
     if not torch.cuda.is_available():
         return rank, local_rank, world_size, torch.device("cpu")
-    if local_rank >= torch.cuda.device_count():
-        raise RankError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                        f"start at most that many processes per host (-H host:N)")
+    if local_rank >= torch.cuda.device_count():  # [safety]
+        raise RankError(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "  # [safety]
+                        f"start at most that many processes per host (-H host:N)")  # [safety]
     torch.cuda.set_device(local_rank)  # before anything touches CUDA, or every rank crowds GPU 0
     return rank, local_rank, world_size, torch.device("cuda", local_rank)
-
-
-def check_horovodrun_env():
-    """horovodrun's variables exported by hand or left from a horovodrun that has ended: hvd.init() would abort
-    the interpreter (SIGABRT and a C++ message, after 5 s for a rendezvous that is gone, 30 s for a rank
-    without peers). A RankError: whatever HOROVOD_LOCAL_RANK says, no launcher started other processes."""
-    present = [v for v in HOROVODRUN_VARS if v in os.environ]
-    if not present or os.environ.get("HOROVOD_ELASTIC") == "1":
-        return
-    missing = [v for v in HOROVODRUN_VARS if v not in os.environ]
-    if missing:
-        raise RankError(f"{', '.join(present)} set but not {', '.join(missing)}: start the script with horovodrun, "
-                        f"or unset the HOROVOD_* variables to run one process")
-    address = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"], os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]
-    try:
-        socket.create_connection((address[0], int(address[1])), timeout=10).close()
-    except (OSError, ValueError) as e:
-        raise RankError(f"Horovod's rendezvous {':'.join(address)} (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) does not "
-                        f"answer ({getattr(e, 'strerror', None) or e}): the HOROVOD_* variables are left from a "
-                        f"horovodrun that has ended; start the script with horovodrun, or unset them") from None
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -1517,6 +1492,31 @@ MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 TORCH_MIN = (2, 9)  # the oldest torch the tests pass on (requirements.txt): see check_torch
+
+
+# what horovodrun (gloo) gives each process; HOROVOD_CONTROLLER and the like are harmless alone
+HOROVODRUN_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+                   "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+
+
+def check_horovodrun_env():
+    """horovodrun's variables exported by hand or left from a horovodrun that has ended: hvd.init() would abort
+    the interpreter (SIGABRT and a C++ message, after 5 s for a rendezvous that is gone, 30 s for a rank
+    without peers). A RankError: whatever HOROVOD_LOCAL_RANK says, no launcher started other processes."""
+    present = [v for v in HOROVODRUN_VARS if v in os.environ]
+    if not present or os.environ.get("HOROVOD_ELASTIC") == "1":
+        return
+    missing = [v for v in HOROVODRUN_VARS if v not in os.environ]
+    if missing:
+        raise RankError(f"{', '.join(present)} set but not {', '.join(missing)}: start the script with horovodrun, "
+                        f"or unset the HOROVOD_* variables to run one process")
+    address = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"], os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"]
+    try:
+        socket.create_connection((address[0], int(address[1])), timeout=10).close()
+    except (OSError, ValueError) as e:
+        raise RankError(f"Horovod's rendezvous {':'.join(address)} (HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT) does not "
+                        f"answer ({getattr(e, 'strerror', None) or e}): the HOROVOD_* variables are left from a "
+                        f"horovodrun that has ended; start the script with horovodrun, or unset them") from None
 
 
 def check_torch():
