@@ -219,24 +219,10 @@ def find_processes(args, local_index):
 
 def select_gpus(args):
     """The GPU ids to use: --gpus, else all visible ones; None on CPU."""
-    try:
-        gpus = [int(i) for i in args.gpus.split(",")] if args.gpus is not None else None
-    except ValueError:
-        raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
-    twice = sorted({i for i in gpus or () if gpus.count(i) > 1})
-    if twice:
-        raise UserError(f"--gpus {args.gpus} names GPU {twice[0]} more than once: list each GPU once")
+    check_gpus(args)  # [safety]
     if not torch.cuda.is_available():
-        if gpus is not None:
-            raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on "
-                            f"the CPU")
         return None
-    gpus = gpus or list(range(torch.cuda.device_count()))
-    missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
-    if missing:
-        raise UserError(f"--gpus {args.gpus}: there is no GPU {missing[0]}, {torch.cuda.device_count()} are "
-                        f"visible (0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
-    return gpus
+    return [int(i) for i in args.gpus.split(",")] if args.gpus is not None else list(range(torch.cuda.device_count()))
 
 
 def start_process_group(args, rank, world_size, device, log):
@@ -1566,6 +1552,25 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_gpus(args):
+    """--gpus: ids of GPUs that are visible, comma-separated, each once."""
+    if args.gpus is None:
+        return
+    try:
+        gpus = [int(i) for i in args.gpus.split(",")]
+    except ValueError:
+        raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
+    twice = sorted({i for i in gpus if gpus.count(i) > 1})
+    if twice:
+        raise UserError(f"--gpus {args.gpus} names GPU {twice[0]} more than once: list each GPU once")
+    if not torch.cuda.is_available():
+        raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on the CPU")
+    missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
+    if missing:
+        raise UserError(f"--gpus {args.gpus}: there is no GPU {missing[0]}, {torch.cuda.device_count()} are "
+                        f"visible (0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
 
 
 def check_launch_args(args, world_size, device):

@@ -154,26 +154,16 @@ def parse_args(argv=None):
 def check_launch(args):
     """In the parent, before any worker starts: which GPUs, how many processes, where to meet. On node
     0 it returns the store the workers meet at, which must live as long as they do."""
-    if not 1 <= args.world_size or not 0 <= args.node_rank < args.world_size:
-        raise UserError(f"--node-rank {args.node_rank} with --world-size {args.world_size}: node ranks go from 0 "
-                        f"to {max(args.world_size, 1) - 1}")
+    check_spawn_args(args)  # [safety]
     args.gpus = select_gpus(args)
     if args.gpus:
         args.nprocs = args.nprocs or len(args.gpus)
-        if args.nprocs > len(args.gpus):
-            raise UserError(f"--nprocs {args.nprocs} but {len(args.gpus)} GPUs: one process per GPU, "
-                            f"use --nprocs {len(args.gpus)}")
+        if args.nprocs > len(args.gpus):  # [safety]
+            raise UserError(f"--nprocs {args.nprocs} but {len(args.gpus)} GPUs: one process per GPU, "  # [safety]
+                            f"use --nprocs {len(args.gpus)}")  # [safety]
     args.nprocs = args.nprocs or 1
     check_batch(args, args.nprocs * args.world_size)  # [safety]
-    if args.dist_url is None and args.world_size > 1:
-        raise UserError(f"--world-size {args.world_size} needs --dist-url tcp://HOST:PORT, HOST being node 0, "
-                        f"the same on every node")
     url = urllib.parse.urlparse(args.dist_url or "tcp://127.0.0.1:0")
-    port = url.netloc.rpartition(":")[2]  # (url.port raises past 65535)
-    if url.scheme != "tcp" or not url.hostname or not port.isdigit() or int(port) >= 2**16:
-        raise UserError(f"--dist-url {args.dist_url}: give tcp://HOST:PORT, HOST being node 0's address, PORT a "
-                        f"number below 65536")
-    check_address(url.hostname, f"--dist-url {args.dist_url}: {url.hostname}")  # [safety]
     if args.node_rank != 0:
         return None
     # node 0's parent serves the store the workers meet at; port 0: a free one, so two jobs never collide
@@ -190,24 +180,10 @@ def check_launch(args):
 
 def select_gpus(args):
     """The GPU ids to use: --gpus, else all visible ones; None on CPU."""
-    try:
-        gpus = [int(i) for i in args.gpus.split(",")] if args.gpus is not None else None
-    except ValueError:
-        raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
-    twice = sorted({i for i in gpus or () if gpus.count(i) > 1})
-    if twice:
-        raise UserError(f"--gpus {args.gpus} names GPU {twice[0]} more than once: list each GPU once")
+    check_gpus(args)  # [safety]
     if not torch.cuda.is_available():
-        if gpus is not None:
-            raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on "
-                            f"the CPU")
         return None
-    gpus = gpus or list(range(torch.cuda.device_count()))
-    missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
-    if missing:
-        raise UserError(f"--gpus {args.gpus}: there is no GPU {missing[0]}, {torch.cuda.device_count()} are "
-                        f"visible (0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
-    return gpus
+    return [int(i) for i in args.gpus.split(",")] if args.gpus is not None else list(range(torch.cuda.device_count()))
 
 
 def build_model(args, num_classes, load_weights=True):
@@ -1700,6 +1676,42 @@ def add_foreign_flags(parser):
 
         with contextlib.suppress(argparse.ArgumentError):  # a flag of its own
             parser.add_argument(*flags, nargs="?", action=Refuse, help=argparse.SUPPRESS)
+
+
+def check_spawn_args(args):
+    """The nodes' flags, in the parent before any worker starts: --node-rank within --world-size, and the
+    --dist-url that several nodes need, a tcp:// address that resolves."""
+    if not 1 <= args.world_size or not 0 <= args.node_rank < args.world_size:
+        raise UserError(f"--node-rank {args.node_rank} with --world-size {args.world_size}: node ranks go from 0 "
+                        f"to {max(args.world_size, 1) - 1}")
+    if args.dist_url is None and args.world_size > 1:
+        raise UserError(f"--world-size {args.world_size} needs --dist-url tcp://HOST:PORT, HOST being node 0, "
+                        f"the same on every node")
+    url = urllib.parse.urlparse(args.dist_url or "tcp://127.0.0.1:0")
+    port = url.netloc.rpartition(":")[2]  # (url.port raises past 65535)
+    if url.scheme != "tcp" or not url.hostname or not port.isdigit() or int(port) >= 2**16:
+        raise UserError(f"--dist-url {args.dist_url}: give tcp://HOST:PORT, HOST being node 0's address, PORT a "
+                        f"number below 65536")
+    check_address(url.hostname, f"--dist-url {args.dist_url}: {url.hostname}")
+
+
+def check_gpus(args):
+    """--gpus: ids of GPUs that are visible, comma-separated, each once."""
+    if args.gpus is None:
+        return
+    try:
+        gpus = [int(i) for i in args.gpus.split(",")]
+    except ValueError:
+        raise UserError(f"--gpus {args.gpus}: give comma-separated GPU ids, e.g. 0,2,5") from None
+    twice = sorted({i for i in gpus if gpus.count(i) > 1})
+    if twice:
+        raise UserError(f"--gpus {args.gpus} names GPU {twice[0]} more than once: list each GPU once")
+    if not torch.cuda.is_available():
+        raise UserError(f"--gpus {args.gpus}: CUDA is not available on this machine; drop --gpus to train on the CPU")
+    missing = sorted(set(gpus) - set(range(torch.cuda.device_count())))
+    if missing:
+        raise UserError(f"--gpus {args.gpus}: there is no GPU {missing[0]}, {torch.cuda.device_count()} are "
+                        f"visible (0 to {torch.cuda.device_count() - 1}); check CUDA_VISIBLE_DEVICES")
 
 
 def check_launch_args(args, world_size, device):
