@@ -31,6 +31,18 @@ def test_shared_helpers_are_identical_to_the_reference(script):
     assert not drift, f"{script}: {drift}; run python scripts/sync_helpers.py to copy {REFERENCE}'s across"
 
 
+def test_what_siblings_share_and_the_reference_lacks_is_one_text_too():
+    """select_gpus and check_gpus (spawn and DataParallel): no sync copies them, so this keeps them alike."""
+    reference, texts = definitions((ROOT / REFERENCE).read_text()), {}
+    for script in siblings():
+        source = (ROOT / script).read_text()
+        for name, (start, end) in definitions(source).items():
+            if name not in reference:
+                texts.setdefault(name, {})[script] = source[start:end]
+    apart = {name: sorted(by) for name, by in texts.items() if len(set(by.values())) > 1}
+    assert not apart, f"{apart}: give each name one text in every script that defines it"
+
+
 @pytest.mark.parametrize("script", siblings())
 def test_every_sibling_is_laid_out_as_the_reference(script):
     """The reference's order, banners and regions, the sibling's own definitions in the reference's places, so that
@@ -54,8 +66,6 @@ def test_the_lesson_comes_first(script):
     every run needs), then the features, then the safety net."""
     lines = (ROOT / script).read_text().splitlines()
     starts = [first_line(lines, fence) for fence in FENCES]
-    if script == "unet3d_apex.py":  # no feature block of its own but the shared ones it carries
-        starts = [start for start in starts if start is not None]
     assert None not in starts and starts == sorted(starts), dict(zip(FENCES, starts))
     main_worker = first_line(lines, "def main_worker(")
     assert starts[0] < first_line(lines, "def parse_args(") < starts[1] and starts[2] < main_worker < starts[3]
