@@ -163,7 +163,7 @@ def layout(script):
     after, anchor, last = {}, None, None
     for key, leading, text in mine:
         closing = [line for line in leading.splitlines(keepends=True)
-                   if markers.match(line) and markers.match(line)[1] and markers.match(line)[2] not in ref_regions]
+                   if (m := markers.match(line)) and m[1] and m[2] not in ref_regions]
         if closing and last:
             last[-1] += "".join(closing)
         if key in ref_keys:
@@ -173,7 +173,7 @@ def layout(script):
                 leading = leading.replace(banner, "")
             kept = "".join(line for line in leading.splitlines(keepends=True)
                            if not line.startswith(("# ===", "# --- ")) and line not in closing
-                           and not (markers.match(line) and markers.match(line)[2] in ref_regions))
+                           and not ((m := markers.match(line)) and m[2] in ref_regions))
             last = after.setdefault(anchor, [])
             last.append(kept + text)
     out, deferred = [header], []
