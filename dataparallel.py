@@ -72,7 +72,8 @@ from torchvision.transforms import v2
 # and data, the launcher part, the training flow, and what every run needs.
 # =============================================================================================
 def parse_args(argv=None):
-    p = Parser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.error = argument_error  # [safety]
     add = p.add_argument
     add("data", nargs="?", metavar="DIR",
         help="ImageFolder root with train/ and val/ (not needed with --dummy; with --dataset, its function's)")
@@ -366,8 +367,8 @@ def sync_buffers(model):
 def main():
     try:
         sys.exit(main_worker(parse_args()))  # None (0): finished
-    except UserError as e:
-        exit_bad_input(e, reporter=True)
+    except UserError as e:  # [safety]
+        exit_bad_input(e, reporter=True)  # [safety]
     except KeyboardInterrupt:  # [safety]
         exit_ctrl_c(reporter=True)  # [safety]
     finally:
@@ -463,18 +464,18 @@ def main_worker(args, local_index=None):
         is_best = val["acc1"] > run.best_acc1
         run.epoch, run.best_acc1 = epoch + 1, max(run.best_acc1, val["acc1"])
         run.save(args, rank, is_best)
-        row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"], "val_loss": val["loss"],
-               "val_acc1": val["acc1"], "val_acc5": val["acc5"], "lr": optimizer.param_groups[0]["lr"],
-               **{f"val_{key}": val[key] for key in ("loss_ema", "acc1_ema", "acc5_ema") if key in val},  # [ema]
-               **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {}),  # [clip-grad-norm]
-               "img_per_s": train["count"] / train_seconds, "seconds": time.monotonic() - started}
+        row = {"epoch": epoch, "train_loss": train["loss"], "train_acc1": train["acc1"],  # [logs]
+               **{f"val_{key}": value for key, value in val.items() if key.startswith(("loss", "acc"))},  # [logs]
+               "lr": optimizer.param_groups[0]["lr"], "img_per_s": train["count"] / train_seconds,  # [logs]
+               **({"clipped_percent": train["clipped"]} if args.clip_grad_norm else {}),  # [logs] [clip-grad-norm]
+               "seconds": time.monotonic() - started}  # [logs]
         if writer is not None:  # [logs]
             write_epoch(row, writer, args.output_dir)  # [logs]
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} acc1 {train['acc1']:.2f} | val loss {val['loss']:.4f} "
             f"acc1 {val['acc1']:.2f} acc5 {val['acc5']:.2f}"
             + (f" | ema acc1 {val['acc1_ema']:.2f}" if "acc1_ema" in val else "")  # [ema]
             + (f" | clipped {train['clipped']:.0f}% of steps" if args.clip_grad_norm else "")  # [clip-grad-norm]
-            + f" | {row['img_per_s']:.0f} img/s")
+            + f" | {train['count'] / train_seconds:.0f} img/s")
         if run.preemption.agreed(now=True) and run.epoch < args.epochs:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"after epoch {epoch}", saved=True)  # [preemption]
     return None
@@ -575,22 +576,11 @@ def evaluate(model, batches, amp_dtype):
 # device prefetcher, metrics, checkpoint files. The same text in every script (scripts/sync_helpers.py).
 # =============================================================================================
 class UserError(Exception):
-    """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
-
-    def __str__(self):
-        # on one line, whatever it quotes; raised in a loader worker, it ends the worker's traceback after "UserError: "
-        return " ".join(super().__str__().split()).split(f"{type(self).__name__}: ")[-1]
+    """Bad input that every rank finds alike: the safety net reports it in one line from one rank, exit code 2."""
 
 
 class RankError(UserError):
     """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are UserErrors: one `error:` line from the reporting rank, exit code 2."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see --help)")
 
 
 def in_range(kind, at_least=None, above=None, below=None):
@@ -615,18 +605,6 @@ def in_range(kind, at_least=None, above=None, below=None):
     return convert
 
 
-def exit_bad_input(error, reporter):
-    """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
-    to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
-    if reporter or isinstance(error, RankError):
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
-        time.sleep(30)
-    sys.unraisablehook = lambda failure_in_cleanup_after_the_line: None  # [safety]
-    sys.exit(2)
-
-
 def lr_factor(step, steps_per_epoch, args):
     """Multiplier of --lr after `step` optimizer steps: step decay, /10 every --lr-step epochs."""
     if args.lr_schedule == "cosine" or step / steps_per_epoch < args.warmup_epochs:  # [lr-schedule]
@@ -645,18 +623,15 @@ NORMALIZE = {3: ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), 1: ((0.449,), (0
 
 def load_image(path):
     """The image as an RGB uint8 CxHxW tensor, decoded by PIL (JPEGs by torchcodec: decode_file)."""
-    try:
-        image = decode_file(path)  # [fast-decode]
-        if image is not None:  # [fast-decode]
-            return image  # [fast-decode]
-        with Image.open(path) as img:
-            if img.mode.startswith("I;16"):  # 16-bit gray (convert("RGB") would clip at 255): its top 8 bits
-                return (v2.functional.pil_to_tensor(img.convert("I")) >> 8).to(torch.uint8).repeat(3, 1, 1)
-            if img.mode in ("I", "F"):  # [safety]
-                raise ValueError(f"its 32-bit pixels (PIL mode {img.mode}) have no range to map to 8 bits")  # [safety]
-            return v2.functional.pil_to_tensor(img.convert("RGB"))
-    except Exception as e:  # missing, cut short, not an image, too large for PIL (a decompression bomb): the file's
-        raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
+    image = decode_file(path)  # [fast-decode]
+    if image is not None:  # [fast-decode]
+        return image  # [fast-decode]
+    with Image.open(path) as img:
+        if img.mode.startswith("I;16"):  # 16-bit gray (convert("RGB") would clip at 255): its top 8 bits
+            return (v2.functional.pil_to_tensor(img.convert("I")) >> 8).to(torch.uint8).repeat(3, 1, 1)
+        if img.mode in ("I", "F"):  # [safety]
+            raise ValueError(f"its 32-bit pixels (PIL mode {img.mode}) have no range to map to 8 bits")  # [safety]
+        return v2.functional.pil_to_tensor(img.convert("RGB"))
 
 
 def collate(samples, num_classes):
@@ -1491,6 +1466,41 @@ def write_epoch(row, writer, output_dir):
 MODEL_NAMES = sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def one_line(error):
+    """UserError's text: on one line, whatever it quotes; raised in a loader worker, it ends the worker's traceback,
+    after "UserError: " (RankError: ...)."""
+    return " ".join(Exception.__str__(error).split()).split(f"{type(error).__name__}: ")[-1]
+
+
+def argument_error(message):
+    """argparse's error (it would print usage and exit on every rank): a UserError, one line from one rank."""
+    raise UserError(f"{message} (see --help)")
+
+
+def exit_bad_input(error, reporter):
+    """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
+    to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
+    if reporter or isinstance(error, RankError):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
+        time.sleep(30)
+    sys.unraisablehook = lambda failure_in_cleanup_after_the_line: None
+    sys.exit(2)
+
+
+def explain_unreadable_image(load_image):
+    """load_image; a file it cannot read (missing, cut short, not an image, too large for PIL: a decompression bomb)
+    stops the rank whose loader met it, in one line that names the file."""
+    @functools.wraps(load_image)  # (pickled by name, as a spawned loader worker takes it)
+    def load(path):
+        try:
+            return load_image(path)
+        except Exception as e:
+            raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
+    return load
+
+
 TORCH_MIN = (2, 9)  # the oldest torch the tests pass on (requirements.txt): see check_torch
 
 
@@ -2175,8 +2185,10 @@ def claim_output_dir(args, rank, log):
     atexit.register(lock.close)  # (closed by the garbage collector, it would unlock too soon)
 
 
-# the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
+# the safety net wraps these: deleted with it, each is what part 1 says
+UserError.__str__ = one_line
 main_worker = safety_net(main_worker)
+load_image = explain_unreadable_image(load_image)
 save_checkpoint = explain_failed_save(save_checkpoint)
 read_checkpoint = explain_unreadable(read_checkpoint)
 RunState.load_state_dict = explain_damaged(RunState.load_state_dict)

@@ -81,7 +81,8 @@ except Exception:
 # and data, the launcher part, the training flow, and what every run needs.
 # =============================================================================================
 def parse_args(argv=None):
-    p = Parser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.error = argument_error  # [safety]
     add = p.add_argument
     add("data", nargs="?", metavar="DIR",
         help="folder with train/images, train/labels, val/images, val/labels (not needed with --synthetic)")
@@ -275,11 +276,11 @@ def sync_buffers(model):
 # train_one_epoch and evaluate are the same text in every ImageNet sibling.
 # =============================================================================================
 def main():
-    first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"  # reports for its node: each may see its own problem
+    first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"  # [safety]
     try:
         sys.exit(main_worker(parse_args()))  # None (0): finished
-    except UserError as e:
-        exit_bad_input(e, reporter=first_on_node)
+    except UserError as e:  # [safety]
+        exit_bad_input(e, reporter=first_on_node)  # [safety]
     except KeyboardInterrupt:  # [safety]
         exit_ctrl_c(reporter=first_on_node)  # [safety]
     finally:
@@ -503,22 +504,11 @@ def predict_volume(model, image, patch, tiles_per_pass):
 # device prefetcher, metrics, checkpoint files. The same text in every script (scripts/sync_helpers.py).
 # =============================================================================================
 class UserError(Exception):
-    """Bad input that every rank finds alike: rank 0 reports it in one line, exit code 2."""
-
-    def __str__(self):
-        # on one line, whatever it quotes; raised in a loader worker, it ends the worker's traceback after "UserError: "
-        return " ".join(super().__str__().split()).split(f"{type(self).__name__}: ")[-1]
+    """Bad input that every rank finds alike: the safety net reports it in one line from one rank, exit code 2."""
 
 
 class RankError(UserError):
     """Bad input that only some ranks meet (a file one rank reads, a GPU one rank lacks): each of them reports it."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are UserErrors: one `error:` line from the reporting rank, exit code 2."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see --help)")
 
 
 def in_range(kind, at_least=None, above=None, below=None):
@@ -541,18 +531,6 @@ def in_range(kind, at_least=None, above=None, below=None):
 
     convert.bounds = (kind, at_least, above, below)
     return convert
-
-
-def exit_bad_input(error, reporter):
-    """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
-    to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
-    if reporter or isinstance(error, RankError):
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
-        time.sleep(30)
-    sys.unraisablehook = lambda failure_in_cleanup_after_the_line: None  # [safety]
-    sys.exit(2)
 
 
 def join_process_group(args, store, rank, world_size, device):
@@ -1171,6 +1149,29 @@ class SyntheticVolumes(Dataset):
 # Keep it, or delete it whole: its region and every line tagged [safety].
 # =============================================================================================
 # region [safety]
+def one_line(error):
+    """UserError's text: on one line, whatever it quotes; raised in a loader worker, it ends the worker's traceback,
+    after "UserError: " (RankError: ...)."""
+    return " ".join(Exception.__str__(error).split()).split(f"{type(error).__name__}: ")[-1]
+
+
+def argument_error(message):
+    """argparse's error (it would print usage and exit on every rank): a UserError, one line from one rank."""
+    raise UserError(f"{message} (see --help)")
+
+
+def exit_bad_input(error, reporter):
+    """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
+    to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
+    if reporter or isinstance(error, RankError):
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
+        time.sleep(30)
+    sys.unraisablehook = lambda failure_in_cleanup_after_the_line: None
+    sys.exit(2)
+
+
 def check_torchrun():
     """torchrun's variables set in part (by hand, or left from another job) or not numbers that fit together, and
     --max-restarts' shared store."""
@@ -1603,7 +1604,8 @@ def claim_output_dir(args, rank, log):
     atexit.register(lock.close)  # (closed by the garbage collector, it would unlock too soon)
 
 
-# the safety net wraps main_worker: deleted with it, main_worker is what part 1 says
+# the safety net wraps these: deleted with it, each is what part 1 says
+UserError.__str__ = one_line
 main_worker = safety_net(main_worker)
 save_checkpoint = explain_failed_save(save_checkpoint)
 read_checkpoint = explain_unreadable(read_checkpoint)

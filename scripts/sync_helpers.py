@@ -26,7 +26,7 @@ INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process
 FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 # the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
 SEAMS = ["build_model", "build_datasets"]
-NEEDS = ["UserError", "RankError", "Parser", "in_range", "exit_bad_input", "join_process_group",
+NEEDS = ["UserError", "RankError", "in_range", "join_process_group",
          "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
          "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
@@ -38,7 +38,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "set_tf32", "compile_model", "SyntheticImages", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip",
             "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
-SAFETY = ["TORCH_MIN", "check_torch", "check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS",
+SAFETY = ["one_line", "argument_error", "exit_bad_input", "explain_unreadable_image", "TORCH_MIN", "check_torch",
+          "check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS",
           "add_foreign_flags", "MEMORY", "check_batch",
           "check_run", "check_datasets", "check_model", "check_evaluated", "check_fit", "check_train_samples",
           "check_shared_gpus",
@@ -84,7 +85,8 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "d
                                   "lr_factor", "warmup_or_cosine", "clip_gradients", "ModelEMA", "set_tf32",
                                   "compile_model",
                                   "span_union", "span_common", "StepProfiler",
-                                  "NORMALIZE", "SyntheticImages", "load_image", "JPEG_DECODER", "decode_file",
+                                  "NORMALIZE", "SyntheticImages", "load_image", "explain_unreadable_image",
+                                  "JPEG_DECODER", "decode_file",
                                   "DeviceDecoded",
                                   "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
                                   "Metrics", "benchmark",

@@ -1,8 +1,10 @@
 """Every value of every flag of every script is checked against its range in one place, right after parsing:
 a value out of range is one `error:` line naming the flag, the value and the range, exit code 2 (the launch
 itself is tested in test_bad_input.py). A new numeric flag without a range fails here."""
+import argparse
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -28,18 +30,14 @@ def base_args(module):
 
 def value_options(module):
     """The options of the script's parser that take a value, caught as parse_args hands them to argparse."""
-    found = []
+    found, real = [], argparse.ArgumentParser.parse_args
 
-    class Capture(module.Parser):
-        def parse_args(self, *args, **kwargs):
-            found.extend(a for a in self._actions if a.option_strings and a.nargs != 0)
-            return super().parse_args(*args, **kwargs)
+    def capture(parser, *args, **kwargs):
+        found.extend(a for a in parser._actions if a.option_strings and a.nargs != 0)
+        return real(parser, *args, **kwargs)
 
-    real, module.Parser = module.Parser, Capture
-    try:
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
         module.parse_args(base_args(module))
-    finally:
-        module.Parser = real
     return found
 
 
