@@ -35,7 +35,7 @@ block and its tagged lines, nothing else, and the rest runs; delete every block 
     sed -E -i '/^ *# region \[ema\]/,/^ *# endregion \[ema\]/d; /#( \[[a-z0-9-]+\])* \[ema\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
-import atexit
+import atexit  # [logs]
 import contextlib
 import copy  # [ema]
 import ctypes  # [preemption]
@@ -49,7 +49,7 @@ import importlib  # [spec]
 import itertools
 import json  # [logs]
 import math
-import multiprocessing
+import multiprocessing  # [preemption]
 import os
 import random
 import resource  # [benchmark]
@@ -506,6 +506,7 @@ def main():
         exit_ctrl_c(reporter=first_on_node)  # [safety]
     finally:
         end_process_group()  # left to interpreter exit, a gloo thread can abort the process
+        end_loader_workers()  # [preemption]
 
 
 def main_worker(args, local_index=None):
@@ -829,7 +830,6 @@ def build_loaders(args, sets, num_classes, rank, world_size, device):
                        pin_memory=device.type == "cuda", persistent_workers=args.workers > 0,
                        collate_fn=functools.partial(collate, num_classes=num_classes))
     loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
-    atexit.register(end_loader_workers)
     train_data = SeededSamples(train_set)
     if args.gpu_decode:  # [gpu-decode]
         train_data, val_set = DeviceDecoded(train_set), DeviceDecoded(val_set)  # [gpu-decode]
@@ -861,16 +861,6 @@ def fork_loader_workers(*loaders):
             with torch.random.fork_rng(devices=[]):
                 iter(loader)
             sampler.start = start
-
-
-def end_loader_workers():
-    """At exit, before multiprocessing's hook (which stops daemonic children with SIGTERM, which loader workers
-    ignore, and would wait forever for a loader an uncaught exception kept alive)."""
-    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
-    if workers:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
-    for worker in workers:
-        worker.kill()
 
 
 class TrainSampler(DistributedSampler):
@@ -1407,6 +1397,16 @@ def die_with_parent(signum):
         parent = multiprocessing.parent_process()
         if parent is not None and not parent.is_alive():
             os.kill(os.getpid(), signum)
+
+
+def end_loader_workers():
+    """Kills the loader workers as a training process ends (main's finally): they ignore SIGTERM, which
+    multiprocessing's exit hook sends its daemonic children before it waits for them, forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
+    for worker in workers:
+        worker.kill()
 
 
 def print_or_drop(*values):
@@ -2428,7 +2428,7 @@ def claim_output_dir(args, rank, log):
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
-    atexit.register(lock.close)  # (closed by the garbage collector, it would unlock too soon)
+    claim_output_dir.lock = lock  # held until the process ends (closed by the garbage collector, it would unlock)
 
 
 # the safety net wraps these: deleted with it, each is what part 1 says

@@ -35,7 +35,7 @@ block and its tagged lines, nothing else, and the rest runs; delete every block 
   sed -E -i '/^ *# region \[logs\]/,/^ *# endregion \[logs\]/d; /#( \[[a-z0-9-]+\])* \[logs\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
-import atexit
+import atexit  # [logs]
 import contextlib
 import ctypes  # [preemption]
 import datetime
@@ -46,7 +46,7 @@ import inspect  # [sync-bn]
 import itertools
 import json  # [logs]
 import math
-import multiprocessing
+import multiprocessing  # [preemption]
 import os
 import random
 import shutil
@@ -285,6 +285,7 @@ def main():
         exit_ctrl_c(reporter=first_on_node)  # [safety]
     finally:
         end_process_group()  # left to interpreter exit, a gloo thread can abort the process
+        end_loader_workers()  # [preemption]
 
 
 def main_worker(args, local_index=None):
@@ -548,7 +549,6 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     the whole volumes, which DevicePrefetchers put on the device."""
     loader_args = dict(num_workers=args.workers, pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
     loader_args.update(worker_init_fn=start_loader_worker)  # [preemption]
-    atexit.register(end_loader_workers)
     train_data = SeededSamples(RandomPatches(train_set, args.patch_size, args.patches_per_volume))
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, batch_size=args.batch_size // world_size, sampler=train_sampler,
@@ -673,16 +673,6 @@ def fork_loader_workers(*loaders):
             with torch.random.fork_rng(devices=[]):
                 iter(loader)
             sampler.start = start
-
-
-def end_loader_workers():
-    """At exit, before multiprocessing's hook (which stops daemonic children with SIGTERM, which loader workers
-    ignore, and would wait forever for a loader an uncaught exception kept alive)."""
-    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
-    if workers:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
-    for worker in workers:
-        worker.kill()
 
 
 class TrainSampler(DistributedSampler):
@@ -1076,6 +1066,16 @@ def die_with_parent(signum):
         parent = multiprocessing.parent_process()
         if parent is not None and not parent.is_alive():
             os.kill(os.getpid(), signum)
+
+
+def end_loader_workers():
+    """Kills the loader workers as a training process ends (main's finally): they ignore SIGTERM, which
+    multiprocessing's exit hook sends its daemonic children before it waits for them, forever."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]  # spawn's are not daemonic
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
+    for worker in workers:
+        worker.kill()
 
 
 def print_or_drop(*values):
@@ -1601,7 +1601,7 @@ def claim_output_dir(args, rank, log):
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
-    atexit.register(lock.close)  # (closed by the garbage collector, it would unlock too soon)
+    claim_output_dir.lock = lock  # held until the process ends (closed by the garbage collector, it would unlock)
 
 
 # the safety net wraps these: deleted with it, each is what part 1 says

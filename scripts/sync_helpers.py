@@ -28,13 +28,14 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 SEAMS = ["build_model", "build_datasets"]
 NEEDS = ["UserError", "RankError", "in_range", "join_process_group",
          "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
-         "build_loaders", "fork_loader_workers", "end_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
+         "build_loaders", "fork_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
 FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "clip_gradients", "sync_batchnorm",
             "ddp_buffer_options", "span_union",
             "span_common", "StepProfiler", "benchmark",
-            "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "print_or_drop",
+            "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "end_loader_workers",
+            "print_or_drop",
             "set_tf32", "compile_model", "SyntheticImages", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip",
             "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
