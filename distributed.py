@@ -189,23 +189,9 @@ def build_datasets(args):
     if args.dummy:  # [dummy]
         return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),  # [dummy]
                 SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))  # [dummy]
-    if not (args.data and os.path.isdir(args.data)):  # [safety]
-        raise UserError(f"data folder {args.data!r} not found: give a folder with train/ and val/ "  # [safety]
-                        f"inside, or --dummy")  # [safety]
-    sets = []
-    for split, tf in (("train", train_tf), ("val", val_tf)):
-        root = os.path.join(args.data, split)
-        if not os.path.isdir(root):  # [safety]
-            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")  # [safety]
-        try:
-            sets.append(torchvision.datasets.ImageFolder(root, tf, loader=load_image))
-        except FileNotFoundError as e:
-            raise UserError(f"{root}: {str(e).split('. ')[0]}; every class folder needs an image it can read") from None
-    if sets[0].classes != sets[1].classes:  # [safety]
-        odd = ", ".join(sorted(set(sets[0].classes) ^ set(sets[1].classes))[:3])  # [safety]
-        raise UserError(f"{args.data}: train/ and val/ have different class folders ({odd}: in one of them "  # [safety]
-                        f"only); give both the same, or the labels of one would not be the other's")  # [safety]
-    return sets
+    check_image_folder(args.data)  # [safety]
+    return [torchvision.datasets.ImageFolder(os.path.join(args.data, split), tf, loader=load_image)
+            for split, tf in (("train", train_tf), ("val", val_tf))]
 
 
 # =============================================================================================
@@ -1661,6 +1647,15 @@ def check_run(args, world_size, device, sets):
                         f"train set")
 
 
+def check_image_folder(data):
+    """build_datasets' folder: DIR, and train/ and val/ in it (ImageFolder's own error would name one path only)."""
+    if not (data and os.path.isdir(data)):
+        raise UserError(f"data folder {data!r} not found: give a folder with train/ and val/ inside, or --dummy")
+    for root in (os.path.join(data, "train"), os.path.join(data, "val")):
+        if not os.path.isdir(root):
+            raise UserError(f"{root} not found: DIR must hold train/ and val/, one folder per class")
+
+
 def check_datasets(sets, args):
     """Refuses in one line what build_datasets returned if training cannot take it: two map-style, non-empty datasets
     of (input tensor, integer label), a number of classes, uint8 inputs that are CxHxW images (C: 3, 1, or as many as
@@ -1687,6 +1682,11 @@ def check_datasets(sets, args):
                 if first != folder:
                     raise UserError(f"{folder} is {first} again, through a symbolic link: the {split} set would hold "
                                     f"its images twice; remove the link")
+    classes = [getattr(data, "classes", None) for data in sets]  # an ImageFolder's: its class folders, sorted
+    if all(isinstance(names, list) for names in classes) and classes[0] != classes[1]:
+        odd = ", ".join(sorted(set(classes[0]) ^ set(classes[1]))[:3]) or "the same names in another order"
+        raise UserError(f"{source}: its train and val sets have different classes ({odd}): give both the same (an "
+                        f"image folder: the same class folders), or the labels of one would not be the other's")
     try:
         own = class_count(sets[0])
     except TypeError:  # classes that have no len(): an iterator
@@ -2066,6 +2066,10 @@ def explain_failure(error, args):
         return RankError("this process cannot start another process or thread (a limit on processes: ulimit -u, or "
                          "the pids limit of its container or job; or on memory, for a thread's stack): raise it where "
                          "the job starts, or use fewer -j/--workers")
+    frames = traceback.extract_tb(error.__traceback__)
+    if isinstance(error, FileNotFoundError) and frames[-1].filename.endswith(os.path.join("datasets", "folder.py")):
+        return UserError(f"{getattr(args, 'data', None)}: {str(error).split('. ')[0]}; every class folder (of train/ "
+                         f"and val/) needs an image it can read")  # ImageFolder's words, which name no split
     if "Expected more than 1 value per channel when training" in str(error):  # BatchNorm's, on every rank alike
         got = str(error).split("got ")[-1]
         return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "
@@ -2081,7 +2085,6 @@ def explain_failure(error, args):
     # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a pipe or a socket
     # closed, a message garbled: one killed while it hands over a batch fails the read a moment before it can be
     # waited for): after an error of the transport's (OSError, EOFError, or one raised in multiprocessing's code)
-    frames = traceback.extract_tb(error.__traceback__)
     transport = isinstance(error, (OSError, EOFError)) or "multiprocessing" in (frames[-1].filename if frames else "")
     try:
         for pause in [0] + [0.05] * (20 if transport else 0):

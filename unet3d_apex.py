@@ -1439,6 +1439,10 @@ def explain_failure(error, args):
         return RankError("this process cannot start another process or thread (a limit on processes: ulimit -u, or "
                          "the pids limit of its container or job; or on memory, for a thread's stack): raise it where "
                          "the job starts, or use fewer -j/--workers")
+    frames = traceback.extract_tb(error.__traceback__)
+    if isinstance(error, FileNotFoundError) and frames[-1].filename.endswith(os.path.join("datasets", "folder.py")):
+        return UserError(f"{getattr(args, 'data', None)}: {str(error).split('. ')[0]}; every class folder (of train/ "
+                         f"and val/) needs an image it can read")  # ImageFolder's words, which name no split
     if "Expected more than 1 value per channel when training" in str(error):  # BatchNorm's, on every rank alike
         got = str(error).split("got ")[-1]
         return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "
@@ -1454,7 +1458,6 @@ def explain_failure(error, args):
     # a loader worker killed is the cause, whichever error surfaced first (a batch cut short, a pipe or a socket
     # closed, a message garbled: one killed while it hands over a batch fails the read a moment before it can be
     # waited for): after an error of the transport's (OSError, EOFError, or one raised in multiprocessing's code)
-    frames = traceback.extract_tb(error.__traceback__)
     transport = isinstance(error, (OSError, EOFError)) or "multiprocessing" in (frames[-1].filename if frames else "")
     try:
         for pause in [0] + [0.05] * (20 if transport else 0):

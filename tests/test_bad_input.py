@@ -98,8 +98,9 @@ CASES = {
     "no val folder": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val"))],
                       r"val not found: DIR must hold train/ and val/"),
     "a class folder in train/ only": (1, lambda d, t: [broken_copy(d, t, lambda x: shutil.rmtree(x / "val/class2"))],
-                                      r"^error: .*: train/ and val/ have different class folders \(class2: in one of "
-                                      r"them only\); give both the same"),
+                                      r"^error: build_datasets: its train and val sets have different "
+                                      r"classes \(class2\): give both the same \(an image folder: the same class "
+                                      r"folders\)"),
     "empty class folder": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class9").mkdir())],
                            r"Found no valid file for the classes class9.*needs an image it can read$"),
     "a symbolic link that loops back": (1, lambda d, t: [broken_copy(d, t, lambda x: (x / "train" / "class1" / "up")
