@@ -727,7 +727,7 @@ def evaluate(model, batches, amp_dtype):
 
 
 # =============================================================================================
-# What every run needs: bad input as one line, the optimizer and its schedule, loaders, samplers, the
+# What every run needs: bad input's two kinds, each flag's range, the schedule, loaders, samplers, the
 # device prefetcher, metrics, checkpoint files. The same text in every script (scripts/sync_helpers.py).
 # =============================================================================================
 class UserError(Exception):
