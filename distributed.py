@@ -2176,6 +2176,9 @@ def safety_net(main_worker):
                 sys.stderr.reconfigure(line_buffering=False, write_through=False)  # goes out in one write (print's
                 sys.stderr.write("\n")  # flush), after a newline: a line of its own
             raise explain_failure(e, args) from None
+        finally:
+            with contextlib.suppress(AttributeError):  # the output folder's lock, if this rank took it: the run is over
+                claim_output_dir.lock.close()
     return guarded
 
 
@@ -2231,7 +2234,7 @@ def claim_output_dir(args, rank, log):
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
-    claim_output_dir.lock = lock  # held until the process ends (closed by the garbage collector, it would unlock)
+    claim_output_dir.lock = lock  # held until the run ends (safety_net closes it)
 
 
 # the safety net wraps these: deleted with it, each is what part 1 says
