@@ -2178,7 +2178,8 @@ def explain_failure(error, args):
                          "the pids limit of its container or job; or on memory, for a thread's stack): raise it where "
                          "the job starts, or use fewer -j/--workers")
     frames = traceback.extract_tb(error.__traceback__)
-    if isinstance(error, FileNotFoundError) and frames[-1].filename.endswith(os.path.join("datasets", "folder.py")):
+    from_folder = bool(frames) and frames[-1].filename.endswith(os.path.join("datasets", "folder.py"))  # ImageFolder
+    if isinstance(error, FileNotFoundError) and from_folder:
         return UserError(f"{getattr(args, 'data', None)}: {str(error).split('. ')[0]}; every class folder (of train/ "
                          f"and val/) needs an image it can read")  # ImageFolder's words, which name no split
     if "Expected more than 1 value per channel when training" in str(error):  # BatchNorm's, on every rank alike
