@@ -13,9 +13,8 @@ Slurm, FSDP) is this file with its own launcher part and flags.
     # no launcher: one process
     python distributed.py --dummy
 
-Rank, local rank and world size come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); the
---local-rank=N that the deprecated `python -m torch.distributed.launch` adds is taken and not needed (that
-launcher sets LOCAL_RANK too). -b is the global batch: each of W processes gets b = B / W.
+Rank, local rank and world size come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); the deprecated
+torch.distributed.launch's --local-rank=N is accepted. -b is the global batch: each of W processes takes B / W.
 
 Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line, the two
 functions to edit for your own model and data, the launcher part, the training flow (main -> main_worker ->
@@ -41,7 +40,7 @@ import hashlib  # [safety]
 import importlib  # [spec]
 import inspect  # [sync-bn]
 import json  # [logs]
-import math
+import math  # [lr-schedule]
 import multiprocessing  # [preemption]
 import os
 import random
@@ -369,7 +368,7 @@ def main_worker(args, local_index=None):
     sets = build_datasets(args)
     check_run(args, world_size, device, sets)  # [safety]
     train_set, val_set = sets
-    num_classes, local_batch = args.num_classes or class_count(train_set), args.batch_size // world_size
+    num_classes = args.num_classes or class_count(train_set)
     # the loaders fork their workers now: before the process group's threads start (fork_loader_workers says why),
     # and before the model and the checkpoint are read, whose memory every worker would keep for the whole run
     train_sampler, train_batches, val_batches = build_loaders(args, sets, num_classes, rank, world_size, device)
@@ -430,7 +429,7 @@ def main_worker(args, local_index=None):
     while run.epoch < args.epochs:
         epoch, started = run.epoch, time.monotonic()
         train_sampler.set_epoch(epoch)
-        train_sampler.start = run.step * local_batch
+        train_sampler.start = run.step * (args.batch_size // world_size)  # [preemption]
         train = train_one_epoch(run, train_batches, args, log)
         if train is None:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
@@ -497,7 +496,7 @@ class RunState:
         if ckpt["scaler"]:  # empty when saved without loss scaling: the scaler starts afresh
             self.scaler.load_state_dict(ckpt["scaler"])
         self.epoch, self.step, self.best_acc1 = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_acc1"]
-        self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
+        self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # [preemption]
         if ckpt.get("world_size") == world_size:
             set_rng_state(ckpt["rng_states"][rank])
 
@@ -508,11 +507,12 @@ def train_one_epoch(run, batches, args, log):
     run.train_model.train()
     device = next(run.model.parameters()).device
     metrics = Metrics(device)
-    if run.train_sums is not None:
-        metrics.sums[:len(run.train_sums)] += run.train_sums.to(device)  # this epoch's part before a preemption
     steps_per_epoch = run.step + len(batches)
     first_bad = torch.full((), -1, device=device)  # [safety]
-    last_time, last_count = time.monotonic(), 0 if run.train_sums is None else run.train_sums[3].item()
+    last_time, last_count = time.monotonic(), 0
+    if run.train_sums is not None:  # [preemption]
+        metrics.sums[:len(run.train_sums)] += run.train_sums.to(device)  # [preemption]
+        last_count = run.train_sums[3].item()  # [preemption]
 
     def report(step):
         nonlocal last_time, last_count
@@ -536,7 +536,8 @@ def train_one_epoch(run, batches, args, log):
         if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
             report(step + 1)
     summary = report(steps_per_epoch)
-    run.step, run.train_sums = 0, None
+    run.step = 0
+    run.train_sums = None  # [preemption]
     return summary
 
 
@@ -564,25 +565,8 @@ class RankError(UserError):
 
 
 def in_range(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite `kind` (int or float) within the bounds given; every numeric flag takes one."""
-    name = "an integer" if kind is int else "a number"
-    limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
-    wanted = f"{name} {' and '.join(limits)}".strip()
-
-    def convert(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
-        if not (math.isfinite(value) and (at_least is None or value >= at_least)
-                and (above is None or value > above) and (below is None or value < below)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
-        if kind is int and value >= 2**31:  # seeds, counts: larger ones overflow in torch, or never end
-            raise argparse.ArgumentTypeError(f"{text} is too large: give {wanted}, below 2**31")
-        return value
-
-    convert.bounds = (kind, at_least, above, below)
-    return convert
+    """An argparse type for a number flag: `kind`, int or float. The safety net checks the bounds too (check_range)."""
+    return kind
 
 
 def join_process_group(args, store, rank, world_size, device):
@@ -657,13 +641,10 @@ def build_loaders(args, sets, num_classes, rank, world_size, device):
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for later passes to
-    reuse: a child forked while another thread holds a lock can hang for good (pytorch#130610), and later threads
-    (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG. Fork,
-    not the default start method where that is another (spawn's in a process spawn started, forkserver's from
-    Python 3.14): their workers would each import torch and the script anew, 400 MiB and seconds apiece. One loader
-    only, the last, may pin memory: its pin-memory thread starts right after its workers, and a fork beside that
-    thread's start can inherit a lock it holds and hang (pytorch#130610); validation copies from pageable memory."""
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), before other threads
+    start (gloo's, TensorBoard's): a child forked while a thread holds a lock can hang (pytorch#130610). Only the last
+    loader may pin memory, as its pin thread starts after its workers. Fork, not spawn or forkserver (the default in
+    places): those import torch anew in each worker. The workers' seeds take nothing from this process's RNG."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"
@@ -1012,7 +993,7 @@ class StepProfiler:
         self.path = os.path.join(args.output_dir, "profile", f"rank{rank}.pt.trace.json")
         self.part_recorded = None  # the part of the step being recorded now
         wanted = self.steps and (rank == 0 or args.profile_all_ranks)
-        self.skip = min(self.WARMUP, total - self.steps) if wanted else math.inf
+        self.skip = min(self.WARMUP, total - self.steps) if wanted else float("inf")
         if wanted:  # the parts of a step begin at the first forward and at the optimizer's step, seen by hooks
             run.train_model.register_forward_pre_hook(lambda *_: self.part("forward/backward", first=True))
             run.optimizer.register_step_pre_hook(lambda *_: self.part("optimizer"))
@@ -1058,7 +1039,7 @@ class StepProfiler:
                 self._finish()
 
     def _finish(self):
-        profiler, self.profiler, self.skip = self.profiler, None, math.inf
+        profiler, self.profiler, self.skip = self.profiler, None, float("inf")
         profiler.stop()
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         profiler.export_chrome_trace(self.path)
@@ -1265,7 +1246,7 @@ class SyntheticImages(Dataset):
     def __getitem__(self, index):
         target = index % self.num_classes
         g = torch.Generator().manual_seed(self.offset + index)
-        wave = torch.sin(torch.arange(self.image_size) * (target % 5 + 1) * math.pi / 8) * 24
+        wave = torch.sin(torch.arange(self.image_size) * (target % 5 + 1) * torch.pi / 8) * 24
         stripes = wave[:, None] if target % 2 else wave[None, :]
         img = self.colours[target] + stripes + torch.randn(3, self.image_size, self.image_size, generator=g) * 24
         return self.transform(img.clamp(0, 255).to(torch.uint8)), target
@@ -1308,7 +1289,7 @@ class RandomResizedCropFlip:
         for k in range(0, 20, 2):
             area = height * width * (smin + (smax - smin) * u[k])
             aspect = rmin * (rmax / rmin) ** u[k + 1]
-            w, h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+            w, h = round((area * aspect) ** 0.5), round((area / aspect) ** 0.5)
             if 0 < w <= width and 0 < h <= height:
                 return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w, u[22] < 0.5
         w, h = width, height  # v2's fallback: the whole image, trimmed to the nearest allowed aspect ratio
@@ -1476,6 +1457,28 @@ def one_line(error):
 def argument_error(message):
     """argparse's error (it would print usage and exit on every rank): a UserError, one line from one rank."""
     raise UserError(f"{message} (see --help)")
+
+
+def check_range(kind, at_least=None, above=None, below=None):
+    """in_range, checked: a finite `kind` within the bounds given, else an error that names the range."""
+    name = "an integer" if kind is int else "a number"
+    limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
+    wanted = f"{name} {' and '.join(limits)}".strip()
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
+        if not (abs(value) < float("inf") and (at_least is None or value >= at_least)
+                and (above is None or value > above) and (below is None or value < below)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        if kind is int and value >= 2**31:  # seeds, counts: larger ones overflow in torch, or never end
+            raise argparse.ArgumentTypeError(f"{text} is too large: give {wanted}, below 2**31")
+        return value
+
+    convert.bounds = (kind, at_least, above, below)
+    return convert
 
 
 def exit_bad_input(error, reporter):
@@ -2240,6 +2243,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps these: deleted with it, each is what part 1 says
 UserError.__str__ = one_line
+in_range = check_range  # noqa: F811 (parse_args calls the checked one)
 main_worker = safety_net(main_worker)
 load_image = explain_unreadable_image(load_image)
 save_checkpoint = explain_failed_save(save_checkpoint)

@@ -317,7 +317,7 @@ def main_worker(args, local_index=None):
     group = start_process_group(args, rank, world_size, device, log)
     preemption.group = group  # [preemption]
     check_ranks_agree(args, (train_set, val_set), ckpt)  # [safety]
-    local_batch, patch = args.batch_size // world_size, tuple(args.patch_size)
+    patch = tuple(args.patch_size)
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, 3D U-Net (base "
         f"{args.base_channels}, depth {args.depth}, {args.norm} norm, {sum(p.numel() for p in model.parameters())} "
         f"parameters), {train_set.channels} input channel(s), {len(train_set)} train / {len(val_set)} val volumes")
@@ -352,7 +352,7 @@ def main_worker(args, local_index=None):
     while run.epoch < args.epochs:
         epoch, started = run.epoch, time.monotonic()
         train_sampler.set_epoch(epoch)
-        train_sampler.start = run.step * local_batch
+        train_sampler.start = run.step * (args.batch_size // world_size)  # [preemption]
         train = train_one_epoch(run, train_batches, args, log)
         if train is None:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"at epoch {epoch} step {run.step}")  # [preemption]
@@ -414,7 +414,7 @@ class RunState:
         if ckpt["scaler"]:  # empty when saved without fp16 loss scaling: the scaler starts afresh
             self.scaler.load_state_dict(ckpt["scaler"])
         self.epoch, self.step, self.best_dice = ckpt["epoch"], ckpt.get("step", 0), ckpt["best_dice"]
-        self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # already summed over ranks
+        self.train_sums = ckpt.get("train_sums") if rank == 0 else None  # [preemption]
         if ckpt.get("world_size") == world_size:
             set_rng_state(ckpt["rng_states"][rank])
 
@@ -425,11 +425,12 @@ def train_one_epoch(run, batches, args, log):
     run.train_model.train()
     device = next(run.model.parameters()).device
     metrics = SegMetrics(device)
-    if run.train_sums is not None:
-        metrics.sums += run.train_sums.to(device)  # the part of this epoch trained before a preemption
     steps_per_epoch = run.step + len(batches)
     first_bad = torch.full((), -1, device=device)  # [safety]
-    last_time, last_count = time.monotonic(), 0 if run.train_sums is None else run.train_sums[1].item()
+    last_time, last_count = time.monotonic(), 0
+    if run.train_sums is not None:  # [preemption]
+        metrics.sums += run.train_sums.to(device)  # [preemption]
+        last_count = run.train_sums[1].item()  # [preemption]
 
     def report(step):
         nonlocal last_time, last_count
@@ -452,7 +453,8 @@ def train_one_epoch(run, batches, args, log):
         if (step + 1) % args.print_freq == 0 and step + 1 < steps_per_epoch:
             report(step + 1)
     summary = report(steps_per_epoch)
-    run.step, run.train_sums = 0, None
+    run.step = 0
+    run.train_sums = None  # [preemption]
     return summary
 
 
@@ -513,25 +515,8 @@ class RankError(UserError):
 
 
 def in_range(kind, at_least=None, above=None, below=None):
-    """An argparse type: a finite `kind` (int or float) within the bounds given; every numeric flag takes one."""
-    name = "an integer" if kind is int else "a number"
-    limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
-    wanted = f"{name} {' and '.join(limits)}".strip()
-
-    def convert(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
-        if not (math.isfinite(value) and (at_least is None or value >= at_least)
-                and (above is None or value > above) and (below is None or value < below)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
-        if kind is int and value >= 2**31:  # seeds, counts: larger ones overflow in torch, or never end
-            raise argparse.ArgumentTypeError(f"{text} is too large: give {wanted}, below 2**31")
-        return value
-
-    convert.bounds = (kind, at_least, above, below)
-    return convert
+    """An argparse type for a number flag: `kind`, int or float. The safety net checks the bounds too (check_range)."""
+    return kind
 
 
 def join_process_group(args, store, rank, world_size, device):
@@ -658,13 +643,10 @@ class SegMetrics:
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), for later passes to
-    reuse: a child forked while another thread holds a lock can hang for good (pytorch#130610), and later threads
-    (gloo's, TensorBoard's, pin memory's) did in CI. Their seeds' draw takes nothing from this process's RNG. Fork,
-    not the default start method where that is another (spawn's in a process spawn started, forkserver's from
-    Python 3.14): their workers would each import torch and the script anew, 400 MiB and seconds apiece. One loader
-    only, the last, may pin memory: its pin-memory thread starts right after its workers, and a fork beside that
-    thread's start can inherit a lock it holds and hang (pytorch#130610); validation copies from pageable memory."""
+    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), before other threads
+    start (gloo's, TensorBoard's): a child forked while a thread holds a lock can hang (pytorch#130610). Only the last
+    loader may pin memory, as its pin thread starts after its workers. Fork, not spawn or forkserver (the default in
+    places): those import torch anew in each worker. The workers' seeds take nothing from this process's RNG."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"
@@ -1160,6 +1142,28 @@ def argument_error(message):
     raise UserError(f"{message} (see --help)")
 
 
+def check_range(kind, at_least=None, above=None, below=None):
+    """in_range, checked: a finite `kind` within the bounds given, else an error that names the range."""
+    name = "an integer" if kind is int else "a number"
+    limits = [f"{op} {bound}" for op, bound in ((">=", at_least), (">", above), ("<", below)) if bound is not None]
+    wanted = f"{name} {' and '.join(limits)}".strip()
+
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text} is not {name}: give {wanted}") from None
+        if not (abs(value) < float("inf") and (at_least is None or value >= at_least)
+                and (above is None or value > above) and (below is None or value < below)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {wanted}")
+        if kind is int and value >= 2**31:  # seeds, counts: larger ones overflow in torch, or never end
+            raise argparse.ArgumentTypeError(f"{text} is too large: give {wanted}, below 2**31")
+        return value
+
+    convert.bounds = (kind, at_least, above, below)
+    return convert
+
+
 def exit_bad_input(error, reporter):
     """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
     to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
@@ -1613,6 +1617,7 @@ def claim_output_dir(args, rank, log):
 
 # the safety net wraps these: deleted with it, each is what part 1 says
 UserError.__str__ = one_line
+in_range = check_range  # noqa: F811 (parse_args calls the checked one)
 main_worker = safety_net(main_worker)
 save_checkpoint = explain_failed_save(save_checkpoint)
 read_checkpoint = explain_unreadable(read_checkpoint)

@@ -39,7 +39,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "set_tf32", "compile_model", "SyntheticImages", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip",
             "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
-SAFETY = ["one_line", "argument_error", "exit_bad_input", "explain_unreadable_image", "TORCH_MIN", "check_torch",
+SAFETY = ["one_line", "argument_error", "check_range", "exit_bad_input", "explain_unreadable_image", "TORCH_MIN",
+          "check_torch",
           "check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS",
           "add_foreign_flags", "MEMORY", "check_batch",
           "check_run", "check_image_folder", "check_datasets", "check_model", "check_evaluated", "check_fit",
