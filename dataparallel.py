@@ -154,10 +154,7 @@ def build_model(args, num_classes, load_weights=True):
     if args.pretrained and args.arch.startswith("vit_"):  # [pretrained]
         weights = torchvision.models.get_model_weights(args.arch).DEFAULT  # [pretrained]
         options["image_size"] = weights.meta["min_size"][0]  # [pretrained]
-    try:
-        model = torchvision.models.get_model(args.arch, **options)
-    except TypeError as e:
-        raise UserError(f"--arch {args.arch} does not take these options ({e}): drop --dropout") from None
+    model = torchvision.models.get_model(args.arch, **options)
     if args.pretrained and load_weights:  # [pretrained]
         load_pretrained(model, args)  # [pretrained]
     return model
@@ -2029,6 +2026,8 @@ def explain_failure(error, args):
     if isinstance(error, FileNotFoundError) and from_folder:
         return UserError(f"{getattr(args, 'data', None)}: {str(error).split('. ')[0]}; every class folder (of train/ "
                          f"and val/) needs an image it can read")  # ImageFolder's words, which name no split
+    if isinstance(error, TypeError) and "keyword argument 'dropout'" in str(error):  # build_model's, with --dropout
+        return UserError(f"--arch {getattr(args, 'arch', None)} does not take --dropout ({error}): drop it")
     if "Expected more than 1 value per channel when training" in str(error):  # BatchNorm's, on every rank alike
         got = str(error).split("got ")[-1]
         return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "

@@ -39,6 +39,7 @@ import atexit  # [logs]
 import contextlib
 import ctypes  # [preemption]
 import datetime
+import functools  # [safety]
 import gc
 import fcntl  # [safety]
 import hashlib  # [safety]
@@ -140,9 +141,9 @@ def build_datasets(args):
             raise UserError(f"{folder} not found: DIR must hold train/images, train/labels, val/images and "  # [safety]
                             f"val/labels")  # [safety]
     train, val = (VolumeFolder(os.path.join(args.data, split)) for split in ("train", "val"))
-    if train.channels != val.channels:
-        raise UserError(f"{args.data}: train volumes have {train.channels} channels, val volumes {val.channels}; "
-                        f"they must match")
+    if train.channels != val.channels:  # [safety]
+        raise UserError(f"{args.data}: train volumes have {train.channels} channels, val volumes "  # [safety]
+                        f"{val.channels}; they must match")  # [safety]
     return train, val
 
 
@@ -814,30 +815,16 @@ def split_name(filename):
 def read_volume(path, shape_only=False):
     """The array in a volume file (.npy memory-mapped), or only its shape (read from the header)."""
     ext = split_name(path)[1]
-    if ext in (".tif", ".tiff") and tifffile is None:
-        raise UserError(f"{path}: reading .tif/.tiff needs tifffile, which is missing or does not load here "
-                        f"(pip install -U tifffile), or convert the volumes to .npy")
-    if ext in (".nii", ".nii.gz") and nibabel is None:
-        raise UserError(f"{path}: reading .nii/.nii.gz needs nibabel, which is missing or does not load here "
-                        f"(pip install -U nibabel), or convert the volumes to .npy")
-    try:
-        if ext == ".npy":
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-        elif ext in (".tif", ".tiff"):
-            if shape_only:
-                with tifffile.TiffFile(path) as tif:
-                    return tuple(tif.series[0].shape)
-            array = tifffile.imread(path)
-        else:  # NIfTI arrays are taken as stored (x, y, z): keep images and labels in the same format
-            volume = nibabel.load(path)
-            array = volume if shape_only else np.asanyarray(volume.dataobj)
-    except Exception as e:  # truncated, corrupt, not what its name says: all mean the same to the user
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise RankError(f"cannot read volume {path} ({reason}): replace or remove the file") from None
-    if not shape_only and array.dtype.kind not in "biuf":  # complex, text, dates: no intensities to learn from
-        raise RankError(f"{path} holds {array.dtype} values: a volume holds integers, floats or booleans; convert it")
-    if not shape_only and array.dtype.kind == "f" and not np.isfinite(array).all():  # [safety]
-        raise RankError(f"{path} holds NaN or inf values: replace them (numpy.nan_to_num), or remove it")  # [safety]
+    if ext == ".npy":
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    elif ext in (".tif", ".tiff"):
+        if shape_only:
+            with tifffile.TiffFile(path) as tif:
+                return tuple(tif.series[0].shape)
+        array = tifffile.imread(path)
+    else:  # NIfTI arrays are taken as stored (x, y, z): keep images and labels in the same format
+        volume = nibabel.load(path)
+        array = volume if shape_only else np.asanyarray(volume.dataobj)
     return tuple(array.shape) if shape_only else array
 
 
@@ -854,51 +841,21 @@ def shape_text(shape):
     return "×".join(map(str, shape))
 
 
+def volume_files(folder):
+    """stem -> file name of every volume in `folder` (hidden files left out)."""
+    return {split_name(name)[0]: name for name in sorted(os.listdir(folder)) if not name.startswith(".")}
+
+
 class VolumeFolder(Dataset):
     """root/images/NAME.ext and root/labels/NAME.ext paired by NAME; item i is one whole volume."""
 
     def __init__(self, root):
-        self.root, self.pairs, self.shapes = root, [], []
-        files = {kind: self._volume_files(os.path.join(root, kind)) for kind in ("images", "labels")}
-        for stem in sorted(files["images"].keys() | files["labels"].keys()):
-            image, label = (os.path.join(root, kind, files[kind].get(stem, stem)) for kind in ("images", "labels"))
-            if stem not in files["labels"]:
-                raise UserError(f"{image} has no label: add {label}.* (labels are paired by file name) "
-                                f"or remove the image")
-            if stem not in files["images"]:
-                raise UserError(f"{label} has no image: add {image}.* (images are paired by file name) "
-                                f"or remove the label")
-            self.pairs.append((image, label))
-        for image_path, label_path in self.pairs:
-            image, label = read_volume(image_path, shape_only=True), read_volume(label_path, shape_only=True)
-            if len(image) not in (3, 4) or 0 in image:
-                raise UserError(f"{image_path} has shape {shape_text(image)}: volumes must be D×H×W or C×D×H×W, "
-                                f"no side 0")
-            if label != image[-3:] and label != (1, *image[-3:]):
-                raise UserError(f"shape mismatch: {image_path} is {shape_text(image)}, {label_path} is "
-                                f"{shape_text(label)}; a label must have its image's D×H×W")
-            self.shapes.append(image)
-        channels = {1 if len(s) == 3 else s[0] for s in self.shapes}
-        if len(channels) > 1:
-            raise UserError(f"{root}/images: volumes with {sorted(channels)} channels; all must have the same number")
-        self.channels = channels.pop()
-
-    @staticmethod
-    def _volume_files(folder):
-        """stem -> file name of every volume in `folder`."""
-        names = sorted(f for f in os.listdir(folder) if not f.startswith("."))
-        if not names:
-            raise UserError(f"{folder} is empty: put the volumes there ({', '.join(EXTENSIONS)}), "
-                            f"labels under the same names")
-        files = {}
-        for name in names:
-            stem, ext = split_name(name)
-            if ext is None:
-                raise UserError(f"{os.path.join(folder, name)}: unsupported file type; use {', '.join(EXTENSIONS)}")
-            if stem in files:
-                raise UserError(f"{folder} holds both {files[stem]} and {name}: keep one volume per name")
-            files[stem] = name
-        return files
+        check_volume_folder(root)  # [safety]
+        images, labels = (volume_files(os.path.join(root, kind)) for kind in ("images", "labels"))
+        self.pairs = [(os.path.join(root, "images", images[stem]), os.path.join(root, "labels", labels[stem]))
+                      for stem in sorted(images)]
+        self.shapes = [read_volume(image, shape_only=True) for image, _ in self.pairs]
+        self.channels = 1 if len(self.shapes[0]) == 3 else self.shapes[0][0]
 
     def __len__(self):
         return len(self.pairs)
@@ -906,14 +863,6 @@ class VolumeFolder(Dataset):
     def __getitem__(self, index):
         image_path, label_path = self.pairs[index]
         return volume_tensors(read_volume(image_path), read_volume(label_path))
-
-    def check_labels(self, rank, world_size):
-        """Reads this rank's share of the masks: each one is read by one rank only."""
-        for _, path in self.pairs[rank::world_size]:
-            values = np.unique(read_volume(path))
-            if not np.isin(values, (0, 1)).all():
-                raise RankError(f"{path} is not a binary mask (values {', '.join(map(str, values[:6]))}"
-                                f"{' ...' if len(values) > 6 else ''}): labels must hold only 0 and 1")
 
 
 def pad_to(tensor, size):
@@ -1290,7 +1239,84 @@ def check_run(args, world_size, device, sets, rank):
                         f"global batch of {args.batch_size}: lower -b or raise --patches-per-volume")
     for dataset in sets:
         if isinstance(dataset, VolumeFolder):
-            dataset.check_labels(rank, world_size)
+            check_labels(dataset, rank, world_size)
+
+
+def check_volume_folder(root):
+    """VolumeFolder's files, before it pairs them: in images/ and labels/, volume files only, one per name, a label
+    for every image and an image for every label, of D×H×W or C×D×H×W (a label: its image's D×H×W), and one number
+    of channels."""
+    files = {}
+    for folder in (os.path.join(root, "images"), os.path.join(root, "labels")):
+        names, found = sorted(f for f in os.listdir(folder) if not f.startswith(".")), {}
+        if not names:
+            raise UserError(f"{folder} is empty: put the volumes there ({', '.join(EXTENSIONS)}), "
+                            f"labels under the same names")
+        for name in names:
+            stem, ext = split_name(name)
+            if ext is None:
+                raise UserError(f"{os.path.join(folder, name)}: unsupported file type; use {', '.join(EXTENSIONS)}")
+            if stem in found:
+                raise UserError(f"{folder} holds both {found[stem]} and {name}: keep one volume per name")
+            found[stem] = name
+        files[os.path.basename(folder)] = found
+    pairs, shapes = [], []
+    for stem in sorted(files["images"].keys() | files["labels"].keys()):
+        image, label = (os.path.join(root, kind, files[kind].get(stem, stem)) for kind in ("images", "labels"))
+        if stem not in files["labels"]:
+            raise UserError(f"{image} has no label: add {label}.* (labels are paired by file name) "
+                            f"or remove the image")
+        if stem not in files["images"]:
+            raise UserError(f"{label} has no image: add {image}.* (images are paired by file name) "
+                            f"or remove the label")
+        pairs.append((image, label))
+    for image_path, label_path in pairs:
+        image, label = read_volume(image_path, shape_only=True), read_volume(label_path, shape_only=True)
+        if len(image) not in (3, 4) or 0 in image:
+            raise UserError(f"{image_path} has shape {shape_text(image)}: volumes must be D×H×W or C×D×H×W, "
+                            f"no side 0")
+        if label != image[-3:] and label != (1, *image[-3:]):
+            raise UserError(f"shape mismatch: {image_path} is {shape_text(image)}, {label_path} is "
+                            f"{shape_text(label)}; a label must have its image's D×H×W")
+        shapes.append(image)
+    channels = {1 if len(s) == 3 else s[0] for s in shapes}
+    if len(channels) > 1:
+        raise UserError(f"{root}/images: volumes with {sorted(channels)} channels; all must have the same number")
+
+
+def check_labels(volumes, rank, world_size):
+    """Reads this rank's share of a VolumeFolder's masks (each is read by one rank only): 0 and 1 only."""
+    for _, path in volumes.pairs[rank::world_size]:
+        values = np.unique(read_volume(path))
+        if not np.isin(values, (0, 1)).all():
+            raise RankError(f"{path} is not a binary mask (values {', '.join(map(str, values[:6]))}"
+                            f"{' ...' if len(values) > 6 else ''}): labels must hold only 0 and 1")
+
+
+def explain_unreadable_volume(read_volume):
+    """read_volume, with what it cannot read said in one line: a reader that is missing (tifffile, nibabel), a file
+    it cannot read (said by the rank that reads it), values that are no intensities, or NaN and inf."""
+    @functools.wraps(read_volume)
+    def checked(path, shape_only=False):
+        ext = split_name(path)[1]
+        if ext in (".tif", ".tiff") and tifffile is None:
+            raise UserError(f"{path}: reading .tif/.tiff needs tifffile, which is missing or does not load here "
+                            f"(pip install -U tifffile), or convert the volumes to .npy")
+        if ext in (".nii", ".nii.gz") and nibabel is None:
+            raise UserError(f"{path}: reading .nii/.nii.gz needs nibabel, which is missing or does not load here "
+                            f"(pip install -U nibabel), or convert the volumes to .npy")
+        try:
+            array = read_volume(path, shape_only)
+        except Exception as e:  # truncated, corrupt, not what its name says: all mean the same to the user
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise RankError(f"cannot read volume {path} ({reason}): replace or remove the file") from None
+        if not shape_only and array.dtype.kind not in "biuf":  # complex, text, dates: no intensities to learn from
+            raise RankError(f"{path} holds {array.dtype} values: a volume holds integers, floats or booleans; "
+                            f"convert it")
+        if not shape_only and array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise RankError(f"{path} holds NaN or inf values: replace them (numpy.nan_to_num), or remove it")
+        return array
+    return checked
 
 
 def check_evaluated(path, args):
@@ -1448,6 +1474,8 @@ def explain_failure(error, args):
     if isinstance(error, FileNotFoundError) and from_folder:
         return UserError(f"{getattr(args, 'data', None)}: {str(error).split('. ')[0]}; every class folder (of train/ "
                          f"and val/) needs an image it can read")  # ImageFolder's words, which name no split
+    if isinstance(error, TypeError) and "keyword argument 'dropout'" in str(error):  # build_model's, with --dropout
+        return UserError(f"--arch {getattr(args, 'arch', None)} does not take --dropout ({error}): drop it")
     if "Expected more than 1 value per channel when training" in str(error):  # BatchNorm's, on every rank alike
         got = str(error).split("got ")[-1]
         return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "
@@ -1620,6 +1648,7 @@ UserError.__str__ = one_line
 in_range = check_range  # noqa: F811 (parse_args calls the checked one)
 main_worker = safety_net(main_worker)
 save_checkpoint = explain_failed_save(save_checkpoint)
+read_volume = explain_unreadable_volume(read_volume)
 read_checkpoint = explain_unreadable(read_checkpoint)
 RunState.load_state_dict = explain_damaged(RunState.load_state_dict)
 # endregion [safety]

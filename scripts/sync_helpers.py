@@ -202,8 +202,8 @@ def layout(script):
             opened = markers.match(extra.lstrip("\n"))
             if opened and opened[2] not in ref_regions:
                 deferred.append(extra.lstrip("\n"))
-            else:
-                out.append("\n\n" + extra)
+            else:  # an assignment right after the one it follows (a wrapper of the safety net's) stays there
+                out.append(extra if re.match(r"[A-Za-z_][\w.]* = ", extra) else "\n\n" + extra)
     text = "".join(out) + tail
     while True:  # regions left empty: the sibling carries none of their definitions
         emptied = re.sub(r"^# region \[([a-z0-9-]+)\][^\n]*\n(#[^\n]*\n)*# endregion \[\1\]\n", "", text, flags=re.M)

@@ -120,7 +120,7 @@ CASES = {
     "unknown arch": (1, lambda d, t: [d, "-a", "resnet19"],
                      r"unknown --arch 'resnet19': use a torchvision classification model"),
     "dropout on a model without it": (1, lambda d, t: [d, "--dropout", "0"],
-                                      r"--arch resnet18 does not take these options.*drop --dropout"),
+                                      r"--arch resnet18 does not take --dropout \(ResNet.*'dropout'\): drop it$"),
     "batch not divisible by world size": (2, lambda d, t: [d, "-b", "15"],
                                           r"--batch-size 15 is the global batch and must divide by the world size 2: "
                                           r"use e.g. 14"),
