@@ -927,12 +927,10 @@ def rng_state():
 
 def set_rng_state(state):
     """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
-    torch refuses a random state that sits on a GPU. "cuda_all" (one state per GPU) is DataParallel's."""
+    torch refuses a random state that sits on a GPU."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and len(state.get("cuda_all", ())) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda_all"])
-    elif torch.cuda.is_available() and state["cuda"].numel():
+    if torch.cuda.is_available() and state["cuda"].numel():
         torch.cuda.set_rng_state(state["cuda"])
 
 

@@ -58,7 +58,7 @@ OWN = {
     "multiprocessing_distributed.py": {"parse_args", "find_processes", "start_process_group", "main"},
     "distributed_slurm_main.py": {"parse_args", "find_processes", "start_process_group", "main"},
     "dataparallel.py": {"parse_args", "find_processes", "start_process_group", "describe_processes", "prepare_model",
-                        "wrap_model", "gather_rng_states", "sync_batchnorm", "main"},
+                        "wrap_model", "gather_rng_states", "set_rng_state", "sync_batchnorm", "main"},
     "horovod_distributed.py": {"parse_args", "find_processes", "start_process_group",
                                "end_process_group", "describe_processes", "prepare_model", "build_optimizer",
                                "wrap_model", "train_step", "reduce_tensor", "gather_objects", "sync_buffers",
