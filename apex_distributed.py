@@ -19,14 +19,12 @@ amp.initialize: O1 autocast, O2 a half model with fp32 BatchNorm and fp32 master
 dynamic loss scaling for float16); the loader collates uint8 straight into one batch (apex's fast_collate);
 checkpoints keep fp32 weights at every level. apex itself is not needed: torch's fused SGD replaces its FusedSGD.
 
-Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line, the two
-functions to edit for your own model and data, the launcher part, the training flow (main -> main_worker ->
-train_one_epoch / evaluate) and what every run needs. Part 2: optional features, a block each. Part 3: the safety net.
-
-Every block of parts 2 and 3 lies between a line `# region [NAME]` and a line `# endregion [NAME]`, and every
-line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a
-block and its tagged lines, nothing else, and the rest runs; delete every block for the core. For the block ema
-(README: Copy only what you need):
+Read it top to bottom, in three parts: the lesson, which every copier keeps (the command line, build_model and
+build_datasets, the two functions to edit, the launcher part, the training flow main -> main_worker -> train_one_epoch /
+evaluate, what every run needs); optional features, a block each; the safety net. Every block lies between a line
+`# region [NAME]` and a line `# endregion [NAME]`, and every line elsewhere that exists only for it ends with the
+comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a block and its tagged lines, nothing else, and the rest runs;
+delete every block for the core. For the block ema (README: Copy only what you need):
 
     sed -E -i '/^ *# region \[ema\]/,/^ *# endregion \[ema\]/d; /#( \[[a-z0-9-]+\])* \[ema\]( \[[a-z0-9-]+\])*$/d' FILE
 """
@@ -76,8 +74,7 @@ from torchvision.transforms import v2
 
 
 # =============================================================================================
-# Part 1, the lesson: what every copier keeps. The command line, the two functions to edit for your own model
-# and data, the launcher part, the training flow, and what every run needs.
+# Part 1, the lesson, what every copier keeps: command line, the two seams, launcher part, training flow, needs.
 # =============================================================================================
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -132,7 +129,7 @@ def parse_args(argv=None):
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
     add("--seed", type=in_range(int, 0), default=0, help="same seed, same data and world-size-independent results")
-    add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")
+    add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")  # [deterministic]
     add("-p", "--print-freq", type=in_range(int, 1), default=10, help="steps between progress lines")
     add("--benchmark", type=in_range(int, 0), default=0, metavar="N",  # [benchmark]
         help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
@@ -151,9 +148,8 @@ def parse_args(argv=None):
 
 
 def build_model(args, num_classes, load_weights=True):
-    """The model: an nn.Module mapping a batch of inputs (on the device; images as normalized floats) to num_classes
-    logits. Edit this and build_datasets for your own model and data, nothing else. Here a torchvision model, or with
-    --arch MODULE:FUNCTION your FUNCTION(num_classes=N); load_weights=False: no --pretrained weights (check_model)."""
+    """Your model (edit this, and build_datasets for your data): an nn.Module from a batch of inputs on the device
+    (images as normalized floats) to num_classes logits. load_weights=False: no --pretrained weights (check_model)."""
     options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
     if ":" in args.arch:  # [spec]
         model = call_spec(args.arch, "--arch", **options)  # [spec]
@@ -174,10 +170,9 @@ def build_model(args, num_classes, load_weights=True):
 
 
 def build_datasets(args):
-    """(train set, validation set), map-style datasets of (input, label): edit this and build_model for your own data
-    and model. A label is an integer from 0 to N-1 (N: --num-classes, or the train set's num_classes or len(classes));
-    an input a uint8 CxHxW image (RGB, gray, or as many channels as the set's mean and std), normalized on the
-    device, or any other tensor, passed on unchanged. Here: ImageFolder, --dummy, or --dataset's FUNCTION(args)."""
+    """Your data (edit this, and build_model for your model): (train set, validation set) of (input, label) items. A
+    label is an integer from 0 to N-1 (N: --num-classes, else the train set's num_classes or len(classes)); an input a
+    uint8 CxHxW image (RGB, gray, or the channels of the set's mean and std), or any other tensor, moved as it is."""
     train_tf = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
     train_tf = RandomResizedCropFlip(args.crop_size)  # [fast-crop]
     val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
@@ -197,9 +192,8 @@ def build_datasets(args):
 
 
 # =============================================================================================
-# The launcher part: torchrun, the process group, DDP, apex's precision. Every sibling defines these names
-# (find_processes to sync_buffers), with these parameters, its own way: README, How every script reads, has them side
-# by side.
+# The launcher part: torchrun, the process group, DDP, apex's precision. Every sibling has its own (README: How
+# every script reads).
 # =============================================================================================
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
@@ -231,9 +225,8 @@ def start_process_group(args, rank, world_size, device, log):
 
 
 def end_process_group():
-    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it), once nothing
-    else holds it: stop requests are ignored from now on (srun signals the rest once a rank exits 75), a collection
-    frees reference cycles (FSDP's device mesh holds the group), and torch._dynamo is imported at the top."""
+    """Frees the process group while Python is whole (left to shutdown, gloo's threads can abort it) and nothing holds
+    it: stop requests are ignored now (srun signals the rest once a rank exits 75), FSDP's cycles collected."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     gc.collect()
@@ -262,9 +255,8 @@ BATCHNORM = torch.nn.modules.batchnorm._BatchNorm  # SyncBatchNorm too
 
 
 def build_optimizer(model, args, device, log):
-    """--opt: SGD with momentum, or AdamW; fused, the CPU included (one kernel, which takes GradScaler's inf check on
-    the device), but SGD foreach for FSDP's DTensors (no sharding rule). SGD's momentum starts as zeros: a first step
-    GradScaler skips then leaves it so (fused SGD's own, made at the first step, would stay unfilled)."""
+    """--opt: SGD with momentum, or AdamW, fused on every device (GradScaler's inf check stays there); foreach SGD for
+    FSDP's DTensors. Momentum starts as zeros: fused SGD's own, made at a first step GradScaler skips, is unfilled."""
     groups = [{"params": list(model.parameters()), "weight_decay": args.weight_decay}]
     groups = param_groups(model, args) if args.no_wd_norm_bias else groups  # [no-wd]
     if args.opt == "adamw":
@@ -375,9 +367,8 @@ def wrap_model(model, args, device, amp_dtype):
 
 
 def train_step(run, images, target, args):
-    """One optimizer step on this process's batch: forward and backward in --grad-accum-steps micro-batches (DDP
-    all-reduces in the last one's backward only), --clip-grad-norm on the unscaled gradients, the step, the schedule.
-    Returns the loss summed over the batch, the outputs, and 1 if it clipped."""
+    """One optimizer step on this process's batch, in --grad-accum-steps micro-batches (DDP all-reduces in the last
+    one's backward only). Returns the loss summed over the batch, the outputs, and 1 if --clip-grad-norm clipped."""
     no_sync = getattr(run.train_model, "no_sync", contextlib.nullcontext)  # one process: nothing to hold back
     chunks, loss_sum, outputs, clipped = args.grad_accum_steps, 0, [], 0
     run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
@@ -429,8 +420,7 @@ def sync_buffers(model):
 
 
 # =============================================================================================
-# The training flow. main is how this launcher runs main_worker; main_worker, RunState,
-# train_one_epoch and evaluate are the same text in every ImageNet sibling.
+# The training flow: main runs main_worker this launcher's way; the rest is the same text in every ImageNet sibling.
 # =============================================================================================
 def main():
     first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"  # [safety]
@@ -447,10 +437,8 @@ def main():
 
 def main_worker(args, local_index=None):
     """One training process, from finding its peers to its last checkpoint; returns None, or PREEMPTED if stopped."""
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)  # a few kernels have no deterministic CUDA version
-    torch.backends.cudnn.benchmark = not args.deterministic
+    torch.backends.cudnn.benchmark = True  # cuDNN times its kernels for each new input shape, keeps the fastest
+    set_deterministic(args)  # [deterministic]
     rank, local_rank, world_size, device = find_processes(args, local_index)
     log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
     log = print_or_drop if rank == 0 else log  # [preemption]
@@ -644,8 +632,7 @@ def evaluate(model, batches, amp_dtype):
 
 
 # =============================================================================================
-# What every run needs: bad input's two kinds, each flag's range, the schedule, loaders, samplers, the
-# device prefetcher, metrics, checkpoint files. The same text in every script (scripts/sync_helpers.py).
+# What every run needs: errors, loaders, samplers, prefetcher, metrics, checkpoints; the same text in every script.
 # =============================================================================================
 class UserError(Exception):
     """Bad input that every rank finds alike: the safety net reports it in one line from one rank, exit code 2."""
@@ -736,9 +723,8 @@ def build_loaders(args, sets, num_classes, rank, world_size, device):
 
 def fork_loader_workers(*loaders):
     """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), before other threads
-    start (gloo's, TensorBoard's): a child forked while a thread holds a lock can hang (pytorch#130610). Only the last
-    loader may pin memory, as its pin thread starts after its workers. Fork, not spawn or forkserver (the default in
-    places): those import torch anew in each worker. The workers' seeds take nothing from this process's RNG."""
+    start (gloo's, TensorBoard's; pytorch#130610: a fork can hang on a lock a thread holds). Only the last loader may
+    pin memory: its pin thread starts after its workers. Fork: spawn would import torch anew in each worker."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"
@@ -796,25 +782,21 @@ class ShardSampler(Sampler):
 
 
 class Prefetcher:
-    """Yields a loader's batches on the device, one batch ahead (on a side CUDA stream), 4-D inputs in the model's
-    memory format. A uint8 image batch becomes float there, normalized by `normalize`'s (mean, std) for its number
-    of channels (0-1 units, as NORMALIZE); inputs of another dtype are only moved."""
+    """Yields a loader's batches on the device, 4-D inputs in the model's memory format; the copy from pinned memory is
+    queued without waiting, while the GPU still runs the last step. uint8 images become floats there, normalized by
+    `normalize`'s (mean, std) for their number of channels (0-1 units, as NORMALIZE); other inputs are only moved."""
 
     def __init__(self, loader, device, channels_last, normalize):
         self.loader, self.device = loader, device
         self.normalize = {channels: [torch.tensor(v, device=device).view(1, -1, 1, 1) * 255 for v in mean_std]
                           for channels, mean_std in normalize.items()}
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        if self.stream is not None:  # mean and std were made on the current stream: the side stream reads them
-            self.stream.wait_stream(torch.cuda.current_stream(device))
 
     def __len__(self):
         return len(self.loader)
 
-    def _to_device(self, batch):
-        images, target = batch
-        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+    def __iter__(self):
+        for images, target in self.loader:
             if isinstance(getattr(self.loader, "dataset", None), DeviceDecoded):  # [gpu-decode]
                 images = self.loader.dataset.decode(images, self.device)  # [gpu-decode]
             image = images.dtype == torch.uint8
@@ -824,21 +806,7 @@ class Prefetcher:
             if image:
                 mean, std = self.normalize[images.shape[1]]
                 images = images.float().sub_(mean).div_(std)
-        return images, target
-
-    def __iter__(self):
-        batches = iter(self.loader)
-        upcoming = next(batches, None)
-        upcoming = upcoming and self._to_device(upcoming)
-        while upcoming:
-            if self.stream is not None:
-                main_stream = torch.cuda.current_stream(self.device)
-                main_stream.wait_stream(self.stream)
-                for t in upcoming:
-                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
-            batch, upcoming = upcoming, next(batches, None)
-            upcoming = upcoming and self._to_device(upcoming)
-            yield batch
+            yield images, target
 
 
 def accuracy(output, target, topk=(1, 5)):
@@ -881,8 +849,7 @@ def rng_state():
 
 
 def set_rng_state(state):
-    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
-    torch refuses a random state that sits on a GPU."""
+    """Restores rng_state()'s states, from CPU tensors (torch refuses a random state on a GPU: map_location="cpu")."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and state["cuda"].numel():
@@ -890,8 +857,7 @@ def set_rng_state(state):
 
 
 def atomic_write(path, write):
-    """write(file) to a temporary file, fsync, rename over `path`: a crash leaves the old file or the new one, and
-    at most one temporary file, of one name, which the next write replaces (one process writes: the folder's lock)."""
+    """write(file) to path.tmp, fsync, rename over `path`: a crash leaves the old file or the new one (and path.tmp)."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -924,8 +890,7 @@ def save_checkpoint(state, is_best, output_dir):
 
 
 def resume_path(args):
-    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there,
-    a broken link too: an unreadable checkpoint stops the run, never starts it afresh over the training it holds."""
+    """The checkpoint to resume, or None; --resume auto: --output-dir's if anything is there (a broken link stops)."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
@@ -957,8 +922,7 @@ def load_checkpoint(path):
 
 
 # =============================================================================================
-# Part 2, features: one block each, for the flags its first line names. Keep what you use; delete a block
-# whole by its markers (the docstring says how).
+# Part 2, features: a block each, for the flags its first line names. Keep what you use, delete the rest by markers.
 # =============================================================================================
 
 
@@ -1303,6 +1267,15 @@ def print_or_drop(*values):
     except OSError:  # BrokenPipeError, or ENOSPC, EIO
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 # endregion [preemption]
+# region [deterministic]: --deterministic: the same results from the same run on a GPU, at some cost in speed
+def set_deterministic(args):
+    """Deterministic kernels where torch has them (a few, 3D pooling's backward among them, have none on CUDA: a
+    warning), the fixed cuBLAS workspace they need, and no cuDNN autotuning, whose timings may pick other kernels."""
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+# endregion [deterministic]
 # region [tf32]: --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs
 def set_tf32(args, device, log):
     """TF32 on Ampere and later: fp32 matmuls and convolutions with a 10-bit mantissa, several times faster; or not."""
@@ -1531,8 +1504,7 @@ def write_epoch(row, writer, output_dir):
 
 
 # =============================================================================================
-# Part 3, the safety net: checks before training, and a failure anywhere made one line that names the fix.
-# Keep it, or delete it whole: its region and every line tagged [safety].
+# Part 3, the safety net: checks before training, failures made one line. Delete its region and lines tagged [safety].
 # =============================================================================================
 
 

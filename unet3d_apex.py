@@ -22,15 +22,12 @@ volumes. How the processes start, the process group, DDP, checkpoints and preemp
 (the same text); the training flow has its shape (RunState, train_one_epoch, evaluate) with the U-Net's
 loss and metrics.
 
-Read it top to bottom, in three parts. Part 1, the lesson, is what every copier keeps: the command line,
-the launcher part, the training flow (main -> main_worker -> train_one_epoch / evaluate), the task (volumes
-and patches, the U-Net, its loss and metrics) and what every run needs. Part 2: optional features, a block
-each. Part 3: the safety net.
-
-Every block of parts 2 and 3 lies between a line `# region [NAME]` and a line `# endregion [NAME]`, and every
-line elsewhere that exists only for it ends with the comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a
-block and its tagged lines, nothing else, and the rest runs; delete every block for the core. For the block logs
-(README: Copy only what you need):
+Read it top to bottom, in three parts: the lesson, which every copier keeps (the command line, the launcher part, the
+training flow main -> main_worker -> train_one_epoch / evaluate, what every run needs; the task: volumes and patches,
+the U-Net, its loss and metrics); optional features, a block each; the safety net. Every block lies between a line
+`# region [NAME]` and a line `# endregion [NAME]`, and every line elsewhere that exists only for it ends with the
+comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a block and its tagged lines, nothing else, and the rest runs;
+delete every block for the core. For the block logs (README: Copy only what you need):
 
   sed -E -i '/^ *# region \[logs\]/,/^ *# endregion \[logs\]/d; /#( \[[a-z0-9-]+\])* \[logs\]( \[[a-z0-9-]+\])*$/d' FILE
 """
@@ -78,8 +75,7 @@ except Exception:
 
 
 # =============================================================================================
-# Part 1, the lesson: what every copier keeps. The command line, the two functions to edit for your own model
-# and data, the launcher part, the training flow, and what every run needs.
+# Part 1, the lesson, what every copier keeps: command line, the two seams, launcher part, training flow, needs.
 # =============================================================================================
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -117,7 +113,7 @@ def parse_args(argv=None):
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
     add("--seed", type=in_range(int, 0), default=0, help="same seed, same data and world-size-independent patches")
-    add("--deterministic", action="store_true", help="use deterministic algorithms where they exist (slower)")
+    add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")  # [deterministic]
     add("-p", "--print-freq", type=in_range(int, 1), default=10, help="steps between progress lines")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
     add("--dist-timeout", type=in_range(float, 1, below=1e9), default=1800, help="seconds a collective waits on a peer")
@@ -148,11 +144,8 @@ def build_datasets(args):
 
 
 # =============================================================================================
-# The launcher part: torchrun, the process group, DDP, as in distributed.py (the same text); the batch
-# description, the model's preparation, Adam, --amp and the step are the U-Net's. Every sibling defines
-# these names, with these parameters, its own way: find_processes, start_process_group, end_process_group,
-# describe_processes, prepare_model, build_optimizer, setup_precision, wrap_model, train_step, reduce_tensor,
-# gather_objects, gather_rng_states, sync_buffers (and check_launch_args in the safety net, sum_async in preemption)
+# The launcher part: distributed.py's (torchrun, the process group, DDP), but the batch description, the model's
+# preparation, Adam, --amp and the step are the U-Net's. Every sibling has its own (README: How every script reads).
 # =============================================================================================
 def find_processes(args, local_index):
     """(rank, local_rank, world_size, device) of this process: from torchrun's environment, or one process
@@ -184,9 +177,8 @@ def start_process_group(args, rank, world_size, device, log):
 
 
 def end_process_group():
-    """Frees the process group while Python is whole (gloo's threads, left to shutdown, can abort it), once nothing
-    else holds it: stop requests are ignored from now on (srun signals the rest once a rank exits 75), a collection
-    frees reference cycles (FSDP's device mesh holds the group), and torch._dynamo is imported at the top."""
+    """Frees the process group while Python is whole (left to shutdown, gloo's threads can abort it) and nothing holds
+    it: stop requests are ignored now (srun signals the rest once a rank exits 75), FSDP's cycles collected."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     gc.collect()
@@ -273,8 +265,7 @@ def sync_buffers(model):
 
 
 # =============================================================================================
-# The training flow. main is how this launcher runs main_worker; main_worker, RunState,
-# train_one_epoch and evaluate are the same text in every ImageNet sibling.
+# The training flow: main runs main_worker this launcher's way; the rest is the same text in every ImageNet sibling.
 # =============================================================================================
 def main():
     first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"  # [safety]
@@ -292,10 +283,8 @@ def main():
 def main_worker(args, local_index=None):
     """One training process, from finding its peers to its last checkpoint; returns None, or the exit code of a run
     stopped early (PREEMPTED)."""
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)  # 3D pooling backward has no deterministic CUDA kernel
-    torch.backends.cudnn.benchmark = not args.deterministic
+    torch.backends.cudnn.benchmark = True  # cuDNN times its kernels for each new input shape, keeps the fastest
+    set_deterministic(args)  # [deterministic]
     rank, local_rank, world_size, device = find_processes(args, local_index)
     log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
     log = print_or_drop if rank == 0 else log  # [preemption]
@@ -504,8 +493,7 @@ def predict_volume(model, image, patch, tiles_per_pass):
 
 
 # =============================================================================================
-# What every run needs: bad input's two kinds, each flag's range, the schedule, loaders, samplers, the
-# device prefetcher, metrics, checkpoint files. The same text in every script (scripts/sync_helpers.py).
+# What every run needs: errors, loaders, samplers, prefetcher, metrics, checkpoints; the same text in every script.
 # =============================================================================================
 class UserError(Exception):
     """Bad input that every rank finds alike: the safety net reports it in one line from one rank, exit code 2."""
@@ -547,33 +535,18 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
 
 
 class DevicePrefetcher:
-    """Yields a loader's batches already on the device, one batch ahead (the copy runs on a side
-    CUDA stream on GPU). Volumes arrive standardized: nothing left to convert."""
+    """Yields a loader's batches on the device; the copy from pinned memory does not wait: the next batch's is
+    queued while the GPU still runs this step. Volumes arrive standardized: nothing left to convert."""
 
     def __init__(self, loader, device):
         self.loader, self.device = loader, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __len__(self):
         return len(self.loader)
 
-    def _to_device(self, batch):
-        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
-            return [t.to(self.device, non_blocking=True) for t in batch]
-
     def __iter__(self):
-        batches = iter(self.loader)
-        upcoming = next(batches, None)
-        upcoming = upcoming and self._to_device(upcoming)
-        while upcoming:
-            if self.stream is not None:
-                main_stream = torch.cuda.current_stream(self.device)
-                main_stream.wait_stream(self.stream)
-                for t in upcoming:
-                    t.record_stream(main_stream)  # the allocator must not reuse them while main_stream works
-            batch, upcoming = upcoming, next(batches, None)
-            upcoming = upcoming and self._to_device(upcoming)
-            yield batch
+        for batch in self.loader:
+            yield [t.to(self.device, non_blocking=True) for t in batch]
 
 
 def conv_block(cin, cout, norm):
@@ -645,9 +618,8 @@ class SegMetrics:
 
 def fork_loader_workers(*loaders):
     """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), before other threads
-    start (gloo's, TensorBoard's): a child forked while a thread holds a lock can hang (pytorch#130610). Only the last
-    loader may pin memory, as its pin thread starts after its workers. Fork, not spawn or forkserver (the default in
-    places): those import torch anew in each worker. The workers' seeds take nothing from this process's RNG."""
+    start (gloo's, TensorBoard's; pytorch#130610: a fork can hang on a lock a thread holds). Only the last loader may
+    pin memory: its pin thread starts after its workers. Fork: spawn would import torch anew in each worker."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"
@@ -718,8 +690,7 @@ def rng_state():
 
 
 def set_rng_state(state):
-    """Restores rng_state()'s states. They must be CPU tensors (load checkpoints with map_location="cpu"):
-    torch refuses a random state that sits on a GPU."""
+    """Restores rng_state()'s states, from CPU tensors (torch refuses a random state on a GPU: map_location="cpu")."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and state["cuda"].numel():
@@ -727,8 +698,7 @@ def set_rng_state(state):
 
 
 def atomic_write(path, write):
-    """write(file) to a temporary file, fsync, rename over `path`: a crash leaves the old file or the new one, and
-    at most one temporary file, of one name, which the next write replaces (one process writes: the folder's lock)."""
+    """write(file) to path.tmp, fsync, rename over `path`: a crash leaves the old file or the new one (and path.tmp)."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
@@ -761,8 +731,7 @@ def save_checkpoint(state, is_best, output_dir):
 
 
 def resume_path(args):
-    """The checkpoint to resume from, None to start fresh. --resume auto takes --output-dir's when anything is there,
-    a broken link too: an unreadable checkpoint stops the run, never starts it afresh over the training it holds."""
+    """The checkpoint to resume, or None; --resume auto: --output-dir's if anything is there (a broken link stops)."""
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
@@ -896,8 +865,7 @@ def note_small_volumes(volumes, patch, log):
         log(f"note: {small} training volume(s) are smaller than --patch-size {shape_text(patch)} along some axis; "
             f"their patches are zero-padded at the far end (label 0)")
 # =============================================================================================
-# Part 2, features: one block each, for the flags its first line names. Keep what you use; delete a block
-# whole by its markers (the docstring says how).
+# Part 2, features: a block each, for the flags its first line names. Keep what you use, delete the rest by markers.
 # =============================================================================================
 # region [sync-bn]: --sync-bn: BatchNorm statistics over every process's batch (CUDA only)
 def sync_batchnorm(model, args, device, log):
@@ -1016,6 +984,15 @@ def print_or_drop(*values):
     except OSError:  # BrokenPipeError, or ENOSPC, EIO
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 # endregion [preemption]
+# region [deterministic]: --deterministic: the same results from the same run on a GPU, at some cost in speed
+def set_deterministic(args):
+    """Deterministic kernels where torch has them (a few, 3D pooling's backward among them, have none on CUDA: a
+    warning), the fixed cuBLAS workspace they need, and no cuDNN autotuning, whose timings may pick other kernels."""
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+# endregion [deterministic]
 # region [logs]: metrics.jsonl and TensorBoard in --output-dir, an entry per epoch
 def open_writer(args, rank, epoch):
     """Rank 0's TensorBoard writer (None elsewhere), closed at exit; it replaces older entries from `epoch` on. False
@@ -1074,8 +1051,7 @@ class SyntheticVolumes(Dataset):
         return volume_tensors(image.numpy(), mask.numpy())
 # endregion [synthetic]
 # =============================================================================================
-# Part 3, the safety net: checks before training, and a failure anywhere made one line that names the fix.
-# Keep it, or delete it whole: its region and every line tagged [safety].
+# Part 3, the safety net: checks before training, failures made one line. Delete its region and lines tagged [safety].
 # =============================================================================================
 # region [safety]
 def one_line(error):

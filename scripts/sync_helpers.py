@@ -36,7 +36,8 @@ FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "
             "span_common", "StepProfiler", "benchmark",
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "end_loader_workers",
             "print_or_drop",
-            "set_tf32", "compile_model", "SyntheticImages", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip",
+            "set_deterministic", "set_tf32", "compile_model",
+            "SyntheticImages", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip",
             "DeviceDecoded",
             "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["one_line", "argument_error", "check_range", "exit_bad_input", "explain_unreadable_image", "TORCH_MIN",

@@ -101,12 +101,12 @@ def elastic_node(endpoint, data, out, host=False):
                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
-def hold_before_the_first_step(job):
+def hold_at_the_second_step(job):
     """Freezes (SIGSTOP) the second training-loader worker of `job`'s training process as soon as it is forked, idle,
     at start-up (the training loader's two workers come first): the process then waits for that worker's batch, the
-    second, before its first step (the prefetcher holds one batch ahead), and the job stands still in epoch 0
-    however long the test takes to act (an epoch of these runs lasts about half a second, too short to hit from
-    the test's side). Returns the worker, for the test to resume."""
+    second, after its first step, and the job stands still in epoch 0 however long the test takes to act (an epoch
+    of these runs lasts about half a second, too short to hit from the test's side). Returns the worker, for the
+    test to resume."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         with contextlib.suppress(psutil.Error):
@@ -154,8 +154,8 @@ def test_a_node_lost_mid_epoch_leaves_the_other_to_finish_at_world_size_1(lost, 
     ended) and is restarted alone, from the last checkpoint (none in this one-epoch run: from the start)."""
     endpoint = f"127.0.0.1:{free_port()}"
     node0, node1 = (elastic_node(endpoint, image_data, tmp_path, host=node == 0) for node in (0, 1))
-    held = hold_before_the_first_step(node1)
-    rank0 = wait_for_line_in_either([node0, node1], "world size 2,")  # both ranks past start-up, held at step 0
+    held = hold_at_the_second_step(node1)
+    rank0 = wait_for_line_in_either([node0, node1], "world size 2,")  # both ranks past start-up, held at step 1
     if lost == "agent":
         node1.proc.kill()
         held.resume()  # node 1's training process, signalled by the kernel, goes on to stop with node 0's
