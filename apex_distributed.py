@@ -66,10 +66,10 @@ import torch._dynamo  # noqa: F401 (import before any process group, or it keeps
 import torch.nn.functional as F
 import torchvision
 from PIL import Image
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present  # [foreign-weights]
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import swa_utils  # [ema]
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 from torchvision.transforms import v2
 
 
@@ -712,7 +712,7 @@ def build_loaders(args, sets, num_classes, rank, world_size, device):
         loader_args.update(collate_fn=DeviceDecoded.collate)  # [gpu-decode]
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, sampler=train_sampler, drop_last=True, **loader_args)
-    val_loader = DataLoader(val_set, sampler=ShardSampler(len(val_set), rank, world_size),
+    val_loader = DataLoader(val_set, sampler=range(rank, len(val_set), world_size),  # each sample once, unpadded
                             **{**loader_args, "pin_memory": False})  # fork_loader_workers says why
     fork_loader_workers(val_loader, train_loader)
     mean, std = getattr(train_set, "mean", None), getattr(train_set, "std", None)  # the data's own normalization
@@ -722,17 +722,17 @@ def build_loaders(args, sets, num_classes, rank, world_size, device):
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), before other threads
+    """Forks the loaders' persistent workers now, idle (batches drawn from nothing this once), before other threads
     start (gloo's, TensorBoard's; pytorch#130610: a fork can hang on a lock a thread holds). Only the last loader may
     pin memory: its pin thread starts after its workers. Fork: spawn would import torch anew in each worker."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"
-            sampler, start = loader.sampler, loader.sampler.start
-            sampler.start = start + len(sampler)  # past its end
+            batches, sampler = loader.batch_sampler, loader.batch_sampler.sampler
+            batches.sampler = ()  # nothing to load, this once
             with torch.random.fork_rng(devices=[]):
                 iter(loader)
-            sampler.start = start
+            batches.sampler = sampler
 
 
 class TrainSampler(DistributedSampler):
@@ -765,20 +765,6 @@ class SeededSamples(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return self.dataset[index]
-
-
-class ShardSampler(Sampler):
-    """indices[rank::world] with no padding: over all ranks every sample is evaluated exactly once."""
-
-    def __init__(self, size, rank, world_size):
-        self.indices = range(rank, size, world_size)
-        self.start = 0  # as TrainSampler's: indices skipped
-
-    def __iter__(self):
-        return iter(self.indices[self.start:])
-
-    def __len__(self):
-        return len(self.indices[self.start:])
 
 
 class Prefetcher:
@@ -906,18 +892,14 @@ def read_checkpoint(path):
 
 
 def load_checkpoint(path):
-    """The checkpoint, checked to be a training checkpoint, its weights without a wrapper's prefix."""
+    """The checkpoint, checked to be a training checkpoint."""
     ckpt = read_checkpoint(path)
-    if isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
-        ckpt = {"state_dict": ckpt}  # weights alone, torch.save(model.state_dict())'s: -e evaluates them
+    ckpt = foreign_weights(ckpt)  # [foreign-weights]
     weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None  # [safety]
     if not (isinstance(weights, dict) and all(isinstance(v, torch.Tensor) for v in weights.values())):  # [safety]
         raise UserError(f"{path} is not a checkpoint of these scripts (no state_dict of tensors): resume "  # [safety]
                         f"from one, or save a model's weights alone, torch.save(model.state_dict(), PATH), "  # [safety]
                         f"for -e")  # [safety]
-    # a DDP or DataParallel wrapper's prefix, torch.compile's (nanoGPT saves it), or both in either order
-    for prefix in ("module.", "_orig_mod.", "module."):
-        consume_prefix_in_state_dict_if_present(ckpt["state_dict"], prefix)
     return ckpt
 
 
@@ -965,6 +947,17 @@ def load_pretrained(model, args):
     own = model.state_dict()
     model.load_state_dict({k: v for k, v in pretrained.items() if k in own and own[k].shape == v.shape}, strict=False)
 # endregion [pretrained]
+# region [foreign-weights]: -e and --resume of weights other programs saved: a bare state dict, wrappers' prefixes
+def foreign_weights(ckpt):
+    """Weights alone (torch.save(model.state_dict())'s, which -e evaluates) as a checkpoint, and its keys without a
+    DDP or DataParallel wrapper's prefix, torch.compile's (nanoGPT saves it), or both in either order."""
+    if isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        ckpt = {"state_dict": ckpt}
+    weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    for prefix in ("module.", "_orig_mod.", "module.") if isinstance(weights, dict) else ():
+        consume_prefix_in_state_dict_if_present(weights, prefix)
+    return ckpt
+# endregion [foreign-weights]
 # region [no-wd]: --no-wd-norm-bias: no weight decay on normalization layers and biases
 def param_groups(model, args):
     """The optimizer's parameter groups: --wd for weights, none for normalization layers and biases."""

@@ -62,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 try:  # optional: only .tif volumes need it (missing, or made for another numpy: None)
     import tifffile
@@ -527,8 +527,8 @@ def build_loaders(args, train_set, val_set, rank, world_size, device):
     train_sampler = TrainSampler(train_data, num_replicas=world_size, rank=rank, seed=args.seed)
     train_loader = DataLoader(train_data, batch_size=args.batch_size // world_size, sampler=train_sampler,
                               drop_last=True, **loader_args)
-    # one whole volume per batch: volumes differ in shape
-    val_loader = DataLoader(val_set, batch_size=1, sampler=ShardSampler(len(val_set), rank, world_size),
+    # one whole volume per batch (volumes differ in shape), each volume once over all ranks, unpadded
+    val_loader = DataLoader(val_set, batch_size=1, sampler=range(rank, len(val_set), world_size),
                             **{**loader_args, "pin_memory": False})  # fork_loader_workers says why
     fork_loader_workers(val_loader, train_loader)
     return train_sampler, DevicePrefetcher(train_loader, device), DevicePrefetcher(val_loader, device)
@@ -617,17 +617,17 @@ class SegMetrics:
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now, idle (each sampler yields nothing this once), before other threads
+    """Forks the loaders' persistent workers now, idle (batches drawn from nothing this once), before other threads
     start (gloo's, TensorBoard's; pytorch#130610: a fork can hang on a lock a thread holds). Only the last loader may
     pin memory: its pin thread starts after its workers. Fork: spawn would import torch anew in each worker."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"
-            sampler, start = loader.sampler, loader.sampler.start
-            sampler.start = start + len(sampler)  # past its end
+            batches, sampler = loader.batch_sampler, loader.batch_sampler.sampler
+            batches.sampler = ()  # nothing to load, this once
             with torch.random.fork_rng(devices=[]):
                 iter(loader)
-            sampler.start = start
+            batches.sampler = sampler
 
 
 class TrainSampler(DistributedSampler):
@@ -660,20 +660,6 @@ class SeededSamples(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return self.dataset[index]
-
-
-class ShardSampler(Sampler):
-    """indices[rank::world] with no padding: over all ranks every sample is evaluated exactly once."""
-
-    def __init__(self, size, rank, world_size):
-        self.indices = range(rank, size, world_size)
-        self.start = 0  # as TrainSampler's: indices skipped
-
-    def __iter__(self):
-        return iter(self.indices[self.start:])
-
-    def __len__(self):
-        return len(self.indices[self.start:])
 
 
 CHECKPOINT = "checkpoint.pth.tar"

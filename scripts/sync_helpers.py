@@ -28,10 +28,11 @@ FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 SEAMS = ["build_model", "build_datasets"]
 NEEDS = ["UserError", "RankError", "in_range", "join_process_group",
          "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
-         "build_loaders", "fork_loader_workers", "TrainSampler", "SeededSamples", "ShardSampler",
+         "build_loaders", "fork_loader_workers", "TrainSampler", "SeededSamples",
          "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
          "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
-FEATURES = ["ModelEMA", "load_pretrained", "param_groups", "warmup_or_cosine", "clip_gradients", "sync_batchnorm",
+FEATURES = ["ModelEMA", "load_pretrained", "foreign_weights",
+            "param_groups", "warmup_or_cosine", "clip_gradients", "sync_batchnorm",
             "ddp_buffer_options", "span_union",
             "span_common", "StepProfiler", "benchmark",
             "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "end_loader_workers",
@@ -86,7 +87,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "d
                                   "check_fit", "load_spec", "call_spec", "class_count", "check_image_folder",
                                   "check_datasets", "ImageCrops",
                                   "check_model", "build_model", "param_groups",
-                                  "load_pretrained",
+                                  "load_pretrained", "foreign_weights",
                                   "lr_factor", "warmup_or_cosine", "clip_gradients", "ModelEMA", "set_tf32",
                                   "compile_model",
                                   "span_union", "span_common", "StepProfiler",
