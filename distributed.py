@@ -50,13 +50,15 @@ import sys
 import time
 import traceback  # [safety]
 
-# torch missing, or a torchvision made for another torch ("operator torchvision::nms does not exist")  # [safety]
+# torch missing, a torchvision made for another torch ("operator torchvision::nms does not exist"), Ctrl-C  # [safety]
 try:  # [safety]
     import torchvision  # [safety]
 except Exception as e:  # [safety]
     print(f"error: cannot import torchvision ({' '.join(str(e).split())[:200]}): install torch and the "  # [safety]
           f"torchvision made for it (pip install -U torch torchvision)", file=sys.stderr)  # [safety]
     sys.exit(2)  # [safety]
+except KeyboardInterrupt:  # [safety]
+    sys.exit(130)  # [safety]
 import torch
 import torch.distributed as dist
 import torch._dynamo  # noqa: F401 (import before any process group, or it keeps the group alive and exit aborts)
@@ -364,8 +366,10 @@ def main_worker(args, local_index=None):
     set_seed(args.seed)
     model = build_model(args, num_classes)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own dropout draws
+    preemption.catch(False)  # [preemption]
     group = start_process_group(args, rank, world_size, device, log)
     preemption.group = group  # [preemption]
+    preemption.catch(True)  # [preemption]
     check_ranks_agree(args, sets, ckpt)  # [safety]
     data = f"{num_classes} classes, {len(train_set)} train / {len(val_set)} val samples"
     if getattr(train_set, "loader", None) is load_image:  # [fast-decode]
@@ -1086,9 +1090,15 @@ class Preemption:
     def __init__(self):
         self.group, self.requested, self.wait = None, False, None
         self.flag = torch.zeros(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-                signal.signal(sig, self._handler)
+        self.signals = [sig for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)  # nohup's SIGHUP stays ignored
+                        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN]
+        self.catch(True)
+
+    def catch(self, on):
+        """Stop requests set the flag; not on: SIGTERM and SIGHUP end the process at once, while it waits for its peers
+        to start the process group (no handler runs there, and a rank that failed first would leave it waiting)."""
+        for sig in self.signals:
+            signal.signal(sig, self._handler if on or sig == signal.SIGUSR1 else signal.SIG_DFL)
 
     def _handler(self, signum, frame):
         self.requested, Preemption.signum = True, signum
@@ -1114,6 +1124,7 @@ class Preemption:
         """Every rank saves where it stopped (unless it just did), then waits for all: a launcher stops the rest once
         one exits non-zero. Returns PREEMPTED."""
         if not saved:
+            sync_buffers(run.model)  # rank 0's BatchNorm statistics, as an epoch's end saves (FSDP saves any rank's)
             run.save(args, rank, is_best=False)
         if self.group is not None:
             sum_async(self.flag, self.group)()
@@ -1445,7 +1456,7 @@ def exit_bad_input(error, reporter):
     """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
     to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
     if reporter or isinstance(error, RankError):
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print(f"error: {error}\n", end="", file=sys.stderr, flush=True)  # one write: other ranks' lines cannot split it
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
         time.sleep(30)
@@ -1696,12 +1707,7 @@ def check_datasets(sets, args):
             raise UserError(f"{source}: an input is a uint8 tensor of shape {shape}; uint8 inputs are images, CxHxW "
                             f"with C {' or '.join(map(str, channels))} (as its mean and std): give other data as float "
                             f"tensors")
-        try:  # the label as training takes it: in a batch (default_collate), which the Prefetcher makes int64
-            target = default_collate([label])
-            torch.iinfo(target.dtype)  # an integer dtype: not bool
-        except (TypeError, AttributeError):  # None, a float, a bool, a string (a list of it then)
-            target = None
-        if target is None or target.shape != (1,) or not 0 <= int(target) < num_classes:
+        if not label_fits(label, num_classes):
             raise UserError(f"{source}: a label is {label!r}; labels are integers from 0 to num_classes - 1 "
                             f"({num_classes - 1}): Python or numpy integers, or integer tensors of shape ()")
     kinds = {split: (x.dtype, x.ndim, x.shape[:1] if x.ndim >= 2 else x.shape) for split, x in inputs.items()}  # C
@@ -1752,6 +1758,8 @@ def check_model(args, num_classes=1000, example=None):
             return f"it returns {type(output).__name__}, not logits"
         if not output.is_floating_point():  # cross-entropy and backward need floats
             return f"its logits are {str(output.dtype).replace('torch.', '')}, not floating point"
+        if train and not output.requires_grad:  # backward() would find no graph
+            return "its logits have no gradient (a forward under torch.no_grad(), or .detach()): return them with it"
         wide = "x".join(map(str, output.shape)) or "a scalar"
         return None if tuple(output.shape) == (2, num_classes) else f"its logits are {wide}, not 2x{num_classes}"
 
@@ -1980,13 +1988,6 @@ def check_ranks_agree(args, sets, ckpt):
 def check_items(samples, num_classes):
     """One line, from the rank whose loader met them, for items unlike check_datasets' one that cannot make a batch:
     a row cut short, an image of another size, a label past the class count (a GPU's device-side assert)."""
-
-    def fits(label):
-        try:
-            return 0 <= int(label) < num_classes
-        except (TypeError, ValueError, RuntimeError):  # not one integer
-            return False
-
     kinds = sorted({f"{'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}"
                     if isinstance(x, torch.Tensor) else type(x).__name__
                     for x, *_ in (s if isinstance(s, (tuple, list)) else (s,) for s in samples)})
@@ -1994,10 +1995,24 @@ def check_items(samples, num_classes):
         raise RankError(f"the data's items differ within a batch (inputs {', '.join(kinds[:3])}), or are not "
                         f"(input, label) pairs: every item's input must have one shape and dtype; crop or pad it in "
                         f"the dataset")
-    bad = [label for _, label in samples if not fits(label)]
+    if any(isinstance(x, torch.Tensor) and x.requires_grad for x, _ in samples):  # (a batch cannot be made of them)
+        raise RankError("the data's inputs require grad (made by a module, or requires_grad=True): make them under "
+                        "torch.no_grad(), or .detach() them")
+    bad = [label for _, label in samples if not label_fits(label, num_classes)]
     if bad:
         raise RankError(f"a label is {bad[0]!r}; with {num_classes} classes (--num-classes, or the data's count) "
                         f"labels are integers from 0 to {num_classes - 1}: fix the data, or give --num-classes")
+
+
+def label_fits(label, num_classes):
+    """A label as training takes it, collated into a batch (the Prefetcher makes it int64): one integer (Python's,
+    numpy's, a tensor of shape ()) from 0 to num_classes - 1."""
+    try:
+        target = default_collate([label])
+        torch.iinfo(target.dtype)  # an integer dtype: not bool
+    except (TypeError, AttributeError):  # None, a float, a bool, a string (a list of it then)
+        return False
+    return target.shape == (1,) and 0 <= int(target) < num_classes
 
 
 def check_finite(summary, first_bad, epoch):
@@ -2092,6 +2107,9 @@ def explain_failure(error, args):
     if "Expected to have finished reduction in the prior iteration" in text:  # DDP's words
         return UserError("the model has parameters that get no gradient in a training step, and DDP waits for every "
                          "one: make the loss use them, drop them from the model, or freeze them (requires_grad=False)")
+    if "DDP expects same model across all ranks" in text:  # DDP's words
+        return UserError(f"the ranks built different models ({lines[-1][:120]}): build_model must build the same one "
+                         f"on every rank")
     if any(words in text for words in MIXED_DTYPES):
         return UserError(f"the model and its inputs differ in dtype or device ({lines[-1][:120]}): give them one dtype "
                          f"(model.float() in build_model, or the data's tensors .float()), and keep the model's "

@@ -55,6 +55,11 @@ import time
 import traceback  # [safety]
 
 import numpy as np
+# Ctrl-C while torch loads: exit 130 as main does, without a traceback  # [safety]
+try:  # [safety]
+    import torch  # [safety]
+except KeyboardInterrupt:  # [safety]
+    sys.exit(130)  # [safety]
 import torch
 import torch.distributed as dist
 import torch._dynamo  # noqa: F401 (before any process group: see end_process_group)
@@ -304,8 +309,10 @@ def main_worker(args, local_index=None):
     set_seed(args.seed)
     model = UNet3D(**config)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own random draws
+    preemption.catch(False)  # [preemption]
     group = start_process_group(args, rank, world_size, device, log)
     preemption.group = group  # [preemption]
+    preemption.catch(True)  # [preemption]
     check_ranks_agree(args, (train_set, val_set), ckpt)  # [safety]
     patch = tuple(args.patch_size)
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, 3D U-Net (base "
@@ -786,8 +793,8 @@ def volume_tensors(image, label):
     image = torch.from_numpy(np.array(image, dtype=np.float32))
     image = image[None] if image.dim() == 3 else image
     mean, std = image.mean(dim=(1, 2, 3), keepdim=True), image.std(dim=(1, 2, 3), keepdim=True)
-    label = torch.from_numpy(np.array(label)).reshape(image.shape[1:])
-    return (image - mean) / std.clamp_min(1e-6), (label != 0).to(torch.uint8)
+    label = torch.from_numpy(np.asarray(label) != 0).reshape(image.shape[1:])  # (any byte order: a bool array)
+    return (image - mean) / std.clamp_min(1e-6), label.to(torch.uint8)
 
 
 def shape_text(shape):
@@ -893,9 +900,15 @@ class Preemption:
     def __init__(self):
         self.group, self.requested, self.wait = None, False, None
         self.flag = torch.zeros(1)
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
-            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-                signal.signal(sig, self._handler)
+        self.signals = [sig for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)  # nohup's SIGHUP stays ignored
+                        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN]
+        self.catch(True)
+
+    def catch(self, on):
+        """Stop requests set the flag; not on: SIGTERM and SIGHUP end the process at once, while it waits for its peers
+        to start the process group (no handler runs there, and a rank that failed first would leave it waiting)."""
+        for sig in self.signals:
+            signal.signal(sig, self._handler if on or sig == signal.SIGUSR1 else signal.SIG_DFL)
 
     def _handler(self, signum, frame):
         self.requested, Preemption.signum = True, signum
@@ -921,6 +934,7 @@ class Preemption:
         """Every rank saves where it stopped (unless it just did), then waits for all: a launcher stops the rest once
         one exits non-zero. Returns PREEMPTED."""
         if not saved:
+            sync_buffers(run.model)  # rank 0's BatchNorm statistics, as an epoch's end saves (FSDP saves any rank's)
             run.save(args, rank, is_best=False)
         if self.group is not None:
             sum_async(self.flag, self.group)()
@@ -1077,7 +1091,7 @@ def exit_bad_input(error, reporter):
     """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
     to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
     if reporter or isinstance(error, RankError):
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print(f"error: {error}\n", end="", file=sys.stderr, flush=True)  # one write: other ranks' lines cannot split it
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
         time.sleep(30)
@@ -1492,6 +1506,9 @@ def explain_failure(error, args):
     if "Expected to have finished reduction in the prior iteration" in text:  # DDP's words
         return UserError("the model has parameters that get no gradient in a training step, and DDP waits for every "
                          "one: make the loss use them, drop them from the model, or freeze them (requires_grad=False)")
+    if "DDP expects same model across all ranks" in text:  # DDP's words
+        return UserError(f"the ranks built different models ({lines[-1][:120]}): build_model must build the same one "
+                         f"on every rank")
     if any(words in text for words in MIXED_DTYPES):
         return UserError(f"the model and its inputs differ in dtype or device ({lines[-1][:120]}): give them one dtype "
                          f"(model.float() in build_model, or the data's tensors .float()), and keep the model's "

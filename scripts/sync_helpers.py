@@ -49,7 +49,7 @@ SAFETY = ["one_line", "argument_error", "check_range", "exit_bad_input", "explai
           "check_train_samples",
           "check_shared_gpus",
           "explain_failed_save", "explain_unreadable", "explain_damaged", "PER_NODE", "check_ranks_agree",
-          "check_items",
+          "check_items", "label_fits",
           "check_finite", "MIXED_DTYPES", "PEER_GONE", "explain_failure",
           "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
@@ -94,7 +94,8 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "d
                                   "NORMALIZE", "SyntheticImages", "load_image", "explain_unreadable_image",
                                   "JPEG_DECODER", "decode_file",
                                   "DeviceDecoded",
-                                  "RandomResizedCropFlip", "collate", "check_items", "Prefetcher", "accuracy",
+                                  "RandomResizedCropFlip", "collate", "check_items", "label_fits", "Prefetcher",
+                                  "accuracy",
                                   "Metrics", "benchmark",
                                   "memory_use",
                                   "MODEL_NAMES"}}

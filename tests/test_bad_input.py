@@ -462,5 +462,7 @@ def test_a_second_run_in_the_same_output_folder_is_refused_and_a_killed_run_leav
     holder = rf"pid {first.proc.pid} on {re.escape(socket.gethostname())}, since [\d: -]+"
     assert_one_clear_line(second, rf"--output-dir {tmp_path} is in use by another run \({holder}\): give another "
                                   r"--output-dir, or wait for that run to end", launcher_reports=True)
+    # rank 1, waiting for rank 0 to start the process group, ends at torchrun's SIGTERM, not at its SIGKILL 30 s on
+    assert "SIGKILL" not in second.output, second.output
     first.kill()
     ok(python(SCRIPT, image_data, *FAST, "--epochs", "1", "--resume", "auto", "--output-dir", tmp_path))

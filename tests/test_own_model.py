@@ -296,6 +296,21 @@ def int_mlp(num_classes):
     return IntMLP(num_classes)
 
 
+def rank_mlp(num_classes):  # a layer more on rank 1
+    return MLP(num_classes) if os.environ.get("RANK") != "1" else nn.Sequential(MLP(num_classes), nn.Linear(3, 3))
+
+
+class DetachedMLP(MLP):
+    """Logits without the graph that backward() goes back through."""
+
+    def forward(self, x):
+        return super().forward(x).detach()
+
+
+def detached_mlp(num_classes):
+    return DetachedMLP(num_classes)
+
+
 def sparse_mlp(num_classes):
     model = MLP(num_classes)
     model.lookup = nn.Embedding(4, 4, sparse=True)
@@ -336,6 +351,34 @@ class Ragged(Table):
 
 def ragged_rows(args):
     return Ragged(192, 0), Table(40, 1)
+
+
+class HalfLabel(Table):
+    """Row 5 of the training set labelled 1.5: the item check_datasets reads (the first) is fine."""
+
+    def __getitem__(self, index):
+        row, label = super().__getitem__(index)
+        return row, (1.5 if index == 5 else label)
+
+
+def half_label(args):
+    return HalfLabel(192, 0), Table(40, 1)
+
+
+class Projected(Table):
+    """Rows through a layer, outside torch.no_grad(): they carry its graph."""
+
+    def __init__(self, size, seed):
+        super().__init__(size, seed)
+        self.layer = nn.Linear(20, 20)
+
+    def __getitem__(self, index):
+        row, label = super().__getitem__(index)
+        return self.layer(row), label
+
+
+def projected(args):
+    return Projected(192, 0), Projected(40, 1)
 
 
 def no_classes(args):
@@ -656,6 +699,10 @@ BAD = {
     "a model whose logits are integers": (["--dataset", "mine:table", "-a", "mine:int_mlp"],
                                           r"--arch mine:int_mlp does not take the data's inputs \(20 float32\): its "
                                           r"logits are int64, not floating point$"),
+    "a model whose logits have no gradient": (["--dataset", "mine:table", "-a", "mine:detached_mlp"],
+                                              r"--arch mine:detached_mlp does not take the data's inputs \(20 "
+                                              r"float32\): its logits have no gradient \(a forward under "
+                                              r"torch.no_grad\(\), or .detach\(\)\): return them with it$"),
     "a model whose first loss is NaN": (["--dataset", "mine:table", "-a", "mine:log_mlp"],
                                         r"loss became NaN/inf at epoch 0 step 0; stopped without saving it: it came "
                                         r"before any update, from the model or the data: check them \(on a GPU, "
@@ -666,6 +713,12 @@ BAD = {
                                                 r"give a smaller train set$"),
     "a training item of another shape": (["--dataset", "mine:ragged_rows", "-a", "mine:mlp"],
                                          r"the data's items differ within a batch \(inputs 20 float32, 7 float32\)"),
+    "a fraction as a training label": (["--dataset", "mine:half_label", "-a", "mine:mlp"],
+                                       r"a label is 1.5; with 3 classes \(--num-classes, or the data's count\) labels "
+                                       r"are integers from 0 to 2"),
+    "inputs that require grad": (["--dataset", "mine:projected", "-a", "mine:mlp"],
+                                 r"the data's inputs require grad \(made by a module, or requires_grad=True\): make "
+                                 r"them under torch.no_grad\(\), or .detach\(\) them$"),
     "uint8 inputs that are no images": (["--dataset", "mine:grey_images", "-a", "mine:mlp"],
                                         r"an input is a uint8 tensor of shape 8x8; uint8 inputs are images, CxHxW "
                                         r"with C 3 or 1"),
@@ -699,9 +752,16 @@ def test_bad_input_gets_one_clear_line(name, project, reference, tmp_path):
     assert_one_clear_line(job, expected)
 
 
-def test_parameters_that_get_no_gradient_under_ddp_are_one_clear_line(project, tmp_path):
-    """One process trains the model; DDP over two waits for the spare layer's gradient and fails at the second step."""
-    job = torchrun(project / "distributed.py", 2, "--dataset", "mine:table", "-a", "mine:unused_mlp", "-b", "16",
+# models that one process trains and DDP over two does not: it waits for the spare layer's gradient and fails at the
+# second step; it compares the ranks' models as it wraps them
+DDP_BAD = {"unused_mlp": r"the model has parameters that get no gradient in a training step, and DDP waits for every "
+                         r"one: make the loss use them",
+           "rank_mlp": r"the ranks built different models \(DDP expects same model across all ranks, .*\): build_model "
+                       r"must build the same one on every rank$"}
+
+
+@pytest.mark.parametrize("arch", DDP_BAD)
+def test_models_ddp_refuses_are_one_clear_line(arch, project, tmp_path):
+    job = torchrun(project / "distributed.py", 2, "--dataset", "mine:table", "-a", f"mine:{arch}", "-b", "16",
                    "-j", "0", "--epochs", "1", "--output-dir", tmp_path, cwd=project).finish(120)
-    assert_one_clear_line(job, r"the model has parameters that get no gradient in a training step, and DDP waits for "
-                               r"every one: make the loss use them", launcher_reports=True)
+    assert_one_clear_line(job, DDP_BAD[arch], launcher_reports=True)

@@ -4,6 +4,7 @@ prints a traceback, and none is left behind. Each launcher reports its processes
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -157,6 +158,22 @@ def test_ctrl_c_stops_every_process_with_one_line(launcher, image_data, tmp_path
         assert output.count("stopped by Ctrl-C, without saving: --resume auto continues from the last") == 1, output
         assert not saved
         assert job.returncode != 0 if launcher == "torchrun" else job.returncode == 130 and "Traceback" not in output
+
+
+@pytest.mark.parametrize("script", ["dataparallel.py", "unet3d_apex.py"])  # torch imported by torchvision, itself
+def test_ctrl_c_while_torch_loads_exits_130_without_a_traceback(script, tmp_path):
+    """Ctrl-C before the script's own handlers exist: while `import torch` runs, its library mapped (about the first
+    second of a run)."""
+    job = python(script, "--output-dir", tmp_path)
+    maps = f"/proc/{job.proc.pid}/maps"
+    for _ in range(3000):
+        with open(maps) as f:
+            if "libtorch" in f.read():
+                break
+        time.sleep(0.01)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    job.finish(timeout=60)
+    assert job.returncode == 130 and "Traceback" not in job.output, job.output
 
 
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
