@@ -803,10 +803,11 @@ def load_checkpoint(path):
     ckpt = read_checkpoint(path)
     ckpt = foreign_weights(ckpt)  # [foreign-weights]
     weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None  # [safety]
-    if not (isinstance(weights, dict) and all(isinstance(v, torch.Tensor) for v in weights.values())):  # [safety]
-        raise UserError(f"{path} is not a checkpoint of these scripts (no state_dict of tensors): resume "  # [safety]
-                        f"from one, or save a model's weights alone, torch.save(model.state_dict(), PATH), "  # [safety]
-                        f"for -e")  # [safety]
+    named = isinstance(weights, dict) and all(isinstance(key, str) for key in weights)  # [safety]
+    if not (named and all(isinstance(v, torch.Tensor) for v in weights.values())):  # [safety]
+        raise UserError(f"{path} is not a checkpoint of these scripts (no state_dict of named tensors): "  # [safety]
+                        f"resume from one, or save a model's weights alone, torch.save(model.state_dict(), "  # [safety]
+                        f"PATH), for -e")  # [safety]
     return ckpt
 
 
@@ -861,7 +862,8 @@ def foreign_weights(ckpt):
     if isinstance(ckpt, dict) and ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
         ckpt = {"state_dict": ckpt}
     weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
-    for prefix in ("module.", "_orig_mod.", "module.") if isinstance(weights, dict) else ():
+    named = isinstance(weights, dict) and all(isinstance(key, str) for key in weights)  # (others: not weights)
+    for prefix in ("module.", "_orig_mod.", "module.") if named else ():
         consume_prefix_in_state_dict_if_present(weights, prefix)
     return ckpt
 # endregion [foreign-weights]
@@ -1804,11 +1806,15 @@ def check_fit(path, ckpt, sets, args):
         return
     kinds = {"args": dict, "optimizer": (dict, type(None)), "scheduler": dict, "scaler": dict, "epoch": int,
              "step": int, "best_acc1": (int, float), "world_size": int, "rng_states": list,
-             "train_samples": int}  # as RunState saves them
-    odd = next((key for key, kind in kinds.items() if key in ckpt and not isinstance(ckpt[key], kind)), None)
-    if odd and not args.evaluate:
-        raise UserError(f"{path}: its {odd} is a {type(ckpt[odd]).__name__}, which these scripts never save: the file "
-                        f"is damaged or made elsewhere; resume from another checkpoint, or evaluate it with -e")
+             "train_samples": int, "train_sums": (torch.Tensor, type(None))}  # as RunState saves them
+    bounds = {"epoch": (0, 2**31), "step": (0, len(sets[0])), "world_size": (1, 2**31), "train_samples": (1, 2**31)}
+    for key in [key for key in kinds if key in ckpt] if not args.evaluate else ():
+        value = ckpt[key]
+        odd = not isinstance(value, kinds[key]) or isinstance(value, bool)
+        if odd or key in bounds and not bounds[key][0] <= value < bounds[key][1]:
+            raise UserError(f"{path}: its {key} is {f'a {type(value).__name__}' if odd else value}, which these "
+                            f"scripts never save: the file is damaged or made elsewhere; resume from another "
+                            f"checkpoint, or evaluate it with -e")
     # the step and the schedule count batches of --batch-size, the optimizer's groups follow --no-wd-norm-bias, and
     # its state holds --lr, --momentum and --wd (given anew, they would be ignored); --seed drew the order of the
     # epoch a preempted run goes on with; checkpoints before --opt: SGD's
@@ -1897,12 +1903,35 @@ def explain_unreadable(read_checkpoint):
     return read
 
 
+def explain_short_loader(prefetch):
+    """Prefetcher.__iter__; a loader that ends before its length stops the run in one line. A dataset's __getitem__
+    that raises StopIteration does that: a for loop takes it for the end, and this rank would wait for its peers."""
+    def batches(self):
+        count = 0
+        for count, batch in enumerate(prefetch(self), 1):
+            yield batch
+        if count < len(self.loader):
+            raise RankError(f"the data ended after {count} of {len(self.loader)} batches: a sample raised "
+                            f"StopIteration, which ends a loop without an error; raise another one (IndexError)")
+    return batches
+
+
 def explain_damaged(load_state_dict):
-    """RunState.load_state_dict; a checkpoint whose parts do not load (damaged, or made by hand or by another
-    program, in ways the checks before it cannot see) stops the run in one line."""
+    """RunState.load_state_dict; a checkpoint whose parts do not load, or load unlike this run's own (damaged, or
+    made by hand or by another program), stops the run in one line: not at a later step, in a traceback or, for an
+    optimizer state of another shape, in a fused step's segmentation fault."""
     def load(run, ckpt, args, *rest):
+        own = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
         try:
-            return load_state_dict(run, ckpt, args, *rest)
+            loaded = load_state_dict(run, ckpt, args, *rest)
+            if args.evaluate:
+                return loaded
+            odd = next((f"optimizer state {key}" for p, state in run.optimizer.state.items() for key, v in state.items()
+                        if not isinstance(v, torch.Tensor) or v.dim() and (v.shape, v.dtype) != (p.shape, p.dtype)),
+                       unlike({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}, own))
+            if odd:
+                raise ValueError(f"its {odd.lstrip('.')} is unlike this run's")
+            return loaded
         except (UserError, torch.OutOfMemoryError, torch.distributed.DistError):
             raise
         except Exception as e:
@@ -1910,6 +1939,26 @@ def explain_damaged(load_state_dict):
             raise UserError(f"cannot resume from {resume_path(args)} ({reason}): the file is damaged or made "
                             f"elsewhere; resume from another checkpoint, or move it away to start fresh") from None
     return load
+
+
+def unlike(saved, own, where=""):
+    """Where a loaded state first differs in kind from this run's own (a key it lacks, a value of another type, a list
+    of another length, a tensor of another shape), or "" where it does not; None on either side matches anything."""
+    if saved is None or own is None:
+        return ""
+    if isinstance(own, dict):
+        lacking = next((key for key in own if not isinstance(saved, dict) or key not in saved), None)
+        if lacking is not None:
+            return f"{where}.{lacking}"
+        return next(filter(None, (unlike(saved[key], value, f"{where}.{key}") for key, value in own.items())), "")
+    if isinstance(own, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(own):
+            return where
+        return next(filter(None, (unlike(*pair, f"{where}.{i}") for i, pair in enumerate(zip(saved, own)))), "")
+    if isinstance(own, torch.Tensor):
+        return "" if isinstance(saved, torch.Tensor) and saved.shape == own.shape else where
+    numbers = {type(saved), type(own)} <= {int, float}
+    return "" if type(saved) is type(own) or numbers else where
 
 
 PER_NODE = {"data", "output_dir", "resume", "workers", "local_rank", "node_rank", "gpus", "dist_url"}  # paths, devices
@@ -2151,6 +2200,12 @@ def claim_output_dir(args, rank, log):
     if rank != 0 or args.evaluate or getattr(args, "benchmark", 0):
         return
     path = os.path.join(args.output_dir, "run.lock")
+    files = [os.path.join(args.output_dir, name + tmp) for name in (CHECKPOINT, "model_best.pth.tar", "metrics.jsonl",
+                                                                    "run.lock") for tmp in ("", ".tmp")]
+    folder = next((file for file in files if os.path.isdir(file) and not os.path.islink(file)), None)  # (fsdp: a link)
+    if folder:
+        raise UserError(f"{folder} is a folder, where this run writes a file: move it away, or give another "
+                        f"--output-dir")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(path, "a+")
@@ -2168,10 +2223,13 @@ def claim_output_dir(args, rank, log):
                         f"--output-dir, or wait for that run to end") from None
     except OSError as e:  # a filesystem without locks
         log(f"note: cannot lock --output-dir {args.output_dir} ({e.strerror}); make sure no other run uses it")
-    theirs, resumed = os.path.join(args.output_dir, CHECKPOINT), resume_path(args)
-    if os.path.lexists(theirs) and not (resumed and os.path.realpath(resumed) == os.path.realpath(theirs)):
-        raise UserError(f"--output-dir {args.output_dir} holds the checkpoint of an earlier run, which this one would "
-                        f"overwrite: continue that run with --resume auto, or give another --output-dir")
+    resumed = resume_path(args)
+    for name in ("checkpoint.pth.tar", "checkpoint.dcp"):  # this script's, or a sibling's: they share model_best
+        theirs = os.path.join(args.output_dir, name)
+        if os.path.lexists(theirs) and not (resumed and os.path.realpath(resumed) == os.path.realpath(theirs)):
+            raise UserError(f"--output-dir {args.output_dir} holds the checkpoint of an earlier run ({name}), which "
+                            f"this one would overwrite: continue that run with --resume auto (by the script that "
+                            f"saved it), or give another --output-dir")
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
@@ -2186,6 +2244,7 @@ load_image = explain_unreadable_image(load_image)
 save_checkpoint = explain_failed_save(save_checkpoint)
 read_checkpoint = explain_unreadable(read_checkpoint)
 RunState.load_state_dict = explain_damaged(RunState.load_state_dict)
+Prefetcher.__iter__ = explain_short_loader(Prefetcher.__iter__)
 # endregion [safety]
 
 

@@ -48,7 +48,8 @@ SAFETY = ["one_line", "argument_error", "check_range", "exit_bad_input", "explai
           "check_run", "check_image_folder", "check_datasets", "check_model", "check_evaluated", "check_fit",
           "check_train_samples",
           "check_shared_gpus",
-          "explain_failed_save", "explain_unreadable", "explain_damaged", "PER_NODE", "check_ranks_agree",
+          "explain_failed_save", "explain_unreadable", "explain_short_loader", "explain_damaged", "unlike",
+          "PER_NODE", "check_ranks_agree",
           "check_items", "label_fits",
           "check_finite", "MIXED_DTYPES", "PEER_GONE", "explain_failure",
           "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]

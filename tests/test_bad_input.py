@@ -54,12 +54,28 @@ def first_train_image(data):
     return data / "train" / "class0" / "0000.JPEG"
 
 
-def earlier_run(tmp_path):
-    """An --output-dir that holds the checkpoint of an earlier run."""
+def earlier_run(tmp_path, fsdp=False):
+    """An --output-dir that holds the checkpoint of an earlier run: this script's, or fsdp_distributed.py's folder
+    (they would overwrite each other's model_best.pth.tar)."""
     folder = tmp_path / "earlier"
     folder.mkdir()
-    checkpoint(tmp_path).rename(folder / "checkpoint.pth.tar")
+    if fsdp:
+        (folder / "checkpoint.dcp").mkdir()
+    else:
+        checkpoint(tmp_path).rename(folder / "checkpoint.pth.tar")
     return ["--output-dir", folder]
+
+
+def sgd_checkpoint(tmp_path, buffer=torch.zeros_like, **scheduler):
+    """A checkpoint with resnet18's SGD state, momentum buffers buffer(weight), and LambdaLR's with `scheduler`'s
+    changes. Momentum of another shape would crash a fused step (SIGSEGV)."""
+    model = torchvision.models.resnet18(num_classes=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9)
+    for p in model.parameters():
+        optimizer.state[p]["momentum_buffer"] = buffer(p)
+    state = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).state_dict()
+    return checkpoint(tmp_path, **{**TRAINING_STATE, "optimizer": optimizer.state_dict(),
+                                   "scheduler": {**state, **scheduler}})
 
 
 def diverged_checkpoint(tmp_path):
@@ -70,10 +86,15 @@ def diverged_checkpoint(tmp_path):
     return path
 
 
-def blocked_output_dir(tmp_path):
-    """An --output-dir where metrics.jsonl is a folder: found when the first epoch is logged."""
+def blocked_output_dir(tmp_path, folder_for="tb"):
+    """An --output-dir where a folder of the run's is a file (found when it is written), or where one of its files
+    is a folder (found at the start)."""
     folder = tmp_path / "blocked"
-    (folder / "metrics.jsonl").mkdir(parents=True)
+    folder.mkdir()
+    if folder_for == "tb":
+        (folder / "tb").touch()
+    else:
+        (folder / folder_for).mkdir()
     return ["--output-dir", folder]
 
 
@@ -220,20 +241,40 @@ CASES = {
                                                       r"save: the file is damaged or made elsewhere"),
     "resume checkpoint whose weights are no tensors": (1, lambda d, t: [d, "--resume", checkpoint(
         t, drop=("fc.bias",), state_dict={"fc.weight": 1.0})], r"ckpt.pth.tar is not a checkpoint of these scripts "
-                                                              r"\(no state_dict of tensors\): resume from one"),
+                                                              r"\(no state_dict of named tensors\): resume from one"),
     "resume checkpoint whose optimizer state does not load": (
         1, lambda d, t: [d, "--resume", checkpoint(t, optimizer={"state": {}, "param_groups": []}, **TRAINING_STATE)],
         r"cannot resume from .*ckpt.pth.tar \(.*parameter groups\): the file is damaged or made elsewhere"),
+    "resume checkpoint whose optimizer state has another shape": (
+        1, lambda d, t: [d, "--resume", sgd_checkpoint(t, buffer=lambda p: torch.zeros(1))],
+        r"cannot resume from .*ckpt.pth.tar \(its optimizer state momentum_buffer is unlike this run's\): the file is "
+        r"damaged or made elsewhere"),
+    "resume checkpoint whose scheduler state has another type": (
+        1, lambda d, t: [d, "--resume", sgd_checkpoint(t, last_epoch="12")],
+        r"cannot resume from .*ckpt.pth.tar \(its scheduler.last_epoch is unlike this run's\)"),
+    "resume checkpoint at a step past any epoch": (1, lambda d, t: [d, "--resume", checkpoint(t, step=10**6)],
+                                                   r"ckpt.pth.tar: its step is 1000000, which these scripts never "
+                                                   r"save: the file is damaged or made elsewhere"),
+    "resume checkpoint whose weights are not named": (1, lambda d, t: [d, "--resume", checkpoint(
+        t, state_dict={0: torch.zeros(1)})], r"ckpt.pth.tar is not a checkpoint of these scripts \(no state_dict of "
+                                            r"named tensors\)"),
     "evaluate a checkpoint of NaN weights": (1, lambda d, t: [d, "-e", "--resume", diverged_checkpoint(t)],
                                              r"ckpt.pth.tar holds NaN weights \(fc.weight\): the run had "
                                              r"diverged; use a checkpoint saved before"),
     "an output file that cannot be written": (1, lambda d, t: [d, *blocked_output_dir(t)],
-                                              r"cannot write .*blocked/metrics.jsonl \(Is a directory\): give "
-                                              r"--output-dir a folder where this run's files"),
+                                              r"cannot write .*blocked/tb \(File exists\): give --output-dir a "
+                                              r"folder where this run's files"),
+    "a folder where the run writes a file": (1, lambda d, t: [d, *blocked_output_dir(t, "model_best.pth.tar")],
+                                             r"^error: .*blocked/model_best.pth.tar is a folder, where this run writes "
+                                             r"a file: move it away, or give another --output-dir$"),
     "a fresh run over an earlier run's checkpoint": (1, lambda d, t: [d, *earlier_run(t)],
-                                                     r"--output-dir .*earlier holds the checkpoint of an earlier run, "
-                                                     r"which this one would overwrite: continue that run with --resume "
-                                                     r"auto, or give another --output-dir"),
+                                                     r"--output-dir .*earlier holds the checkpoint of an earlier run "
+                                                     r"\(checkpoint.pth.tar\), which this one would overwrite: "
+                                                     r"continue that run with --resume auto \(by the script that saved "
+                                                     r"it\), or give another --output-dir"),
+    "a fresh run over fsdp_distributed.py's checkpoint": (1, lambda d, t: [d, *earlier_run(t, fsdp=True)],
+                                                          r"holds the checkpoint of an earlier run \(checkpoint.dcp\), "
+                                                          r"which this one would overwrite"),
     "torchrun's variables not numbers": (1, lambda d, t: [d], r"torchrun's variables are not numbers that fit "
                                                              r"together \(RANK='0', LOCAL_RANK='x', WORLD_SIZE='1', "
                                                              r"MASTER_PORT='29500'\)",

@@ -41,10 +41,13 @@ def test_a_stop_to_the_job_with_loader_workers_saves_and_resume_auto_continues(s
 
 
 def test_two_jobs_on_one_machine_pick_different_ports(image_data, tmp_path):
-    jobs = [spawn(SCRIPT, 2, image_data, *SHORT, "--output-dir", tmp_path / str(i)) for i in range(2)]
+    """Port 0, a free one: the default's, and one given with a host (an IPv6 address, which keeps its brackets)."""
+    urls = [[], ["--dist-url", "tcp://[::1]:0"]]
+    jobs = [spawn(SCRIPT, 2, image_data, *SHORT, *url, "--output-dir", tmp_path / str(i)) for i, url in enumerate(urls)]
     for i, job in enumerate(jobs):
         ok(job)
         assert [r["epoch"] for r in metrics(tmp_path / str(i))] == [0]
+    assert load(tmp_path / "1" / "checkpoint.pth.tar")["args"]["dist_url"].startswith("tcp://[::1]:")
 
 
 def test_two_nodes_on_one_machine_train_together(image_data, tmp_path):

@@ -329,6 +329,19 @@ def unused_mlp(num_classes):
     return Unused(num_classes)
 
 
+class Stops(Table):
+    """Row 100 raises StopIteration, as a next() on a spent iterator does: a for loop takes it for the end."""
+
+    def __getitem__(self, index):
+        if index == 100:
+            raise StopIteration
+        return super().__getitem__(index)
+
+
+def stops(args):
+    return Stops(192, 0), Table(40, 1)
+
+
 def short_rows(args):
     train, val = table(args)
     train.rows, val.rows = train.rows[:, :7], val.rows[:, :7]
@@ -752,16 +765,23 @@ def test_bad_input_gets_one_clear_line(name, project, reference, tmp_path):
     assert_one_clear_line(job, expected)
 
 
-# models that one process trains and DDP over two does not: it waits for the spare layer's gradient and fails at the
-# second step; it compares the ranks' models as it wraps them
-DDP_BAD = {"unused_mlp": r"the model has parameters that get no gradient in a training step, and DDP waits for every "
-                         r"one: make the loss use them",
-           "rank_mlp": r"the ranks built different models \(DDP expects same model across all ranks, .*\): build_model "
-                       r"must build the same one on every rank$"}
+# what shows over two ranks: DDP waits for the spare layer's gradient and fails at the second step; it compares the
+# ranks' models as it wraps them; a rank whose data ends early (in a loader worker) would leave its peer waiting
+DDP_BAD = {"a parameter without a gradient": (["-a", "mine:unused_mlp"],
+                                             r"the model has parameters that get no gradient in a training step, and "
+                                             r"DDP waits for every one: make the loss use them"),
+           "models that differ between ranks": (["-a", "mine:rank_mlp"],
+                                                r"the ranks built different models \(DDP expects same model across "
+                                                r"all ranks, .*\): build_model must build the same one on every rank$"),
+           "a sample that raises StopIteration": (["--dataset", "mine:stops", "-j", "2"],
+                                                  r"the data ended after \d+ of 12 batches: a sample raised "
+                                                  r"StopIteration, which ends a loop without an error; raise another "
+                                                  r"one \(IndexError\)$")}
 
 
-@pytest.mark.parametrize("arch", DDP_BAD)
-def test_models_ddp_refuses_are_one_clear_line(arch, project, tmp_path):
-    job = torchrun(project / "distributed.py", 2, "--dataset", "mine:table", "-a", f"mine:{arch}", "-b", "16",
-                   "-j", "0", "--epochs", "1", "--output-dir", tmp_path, cwd=project).finish(120)
-    assert_one_clear_line(job, DDP_BAD[arch], launcher_reports=True)
+@pytest.mark.parametrize("name", DDP_BAD)
+def test_what_ddp_meets_is_one_clear_line(name, project, tmp_path):
+    args, expected = DDP_BAD[name]
+    job = torchrun(project / "distributed.py", 2, "--dataset", "mine:table", "-a", "mine:mlp", "-b", "16", "-j", "0",
+                   *args, "--epochs", "1", "--output-dir", tmp_path, cwd=project).finish(120)
+    assert_one_clear_line(job, expected, launcher_reports=True)
