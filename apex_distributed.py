@@ -884,8 +884,9 @@ def resume_path(args):
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
-    if args.resume and not os.path.exists(args.resume):  # [safety]
-        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or "  # [safety]
+    if args.resume and not (os.path.isfile(args.resume) or os.path.isdir(args.resume)):  # [safety]
+        what = "not a file (a pipe, a device)" if os.path.exists(args.resume) else "no such file"  # [safety]
+        raise UserError(f"--resume {args.resume}: {what}; give an existing checkpoint, or "  # [safety]
                         f"--resume auto")  # [safety]
     return args.resume or None
 
@@ -1441,7 +1442,8 @@ def load_spec(spec, flag):
                         f"{module_name.replace('.', '/')}.py in the current directory or on PYTHONPATH") from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise UserError(f"{flag} {spec}: {module_name} ({module.__file__}) has no function {name}")
+        there = f" ({name} there is a {type(function).__name__})" if hasattr(module, name) else ""
+        raise UserError(f"{flag} {spec}: {module_name} ({module.__file__}) has no function {name}{there}")
     return function
 
 
@@ -1927,17 +1929,7 @@ def check_fit(path, ckpt, sets, args):
     model = check_model(args, *check_datasets(sets, args)[2:])
     if not ckpt or model is None:  # a model the meta device cannot build: load_state_dict says what does not fit
         return
-    kinds = {"args": dict, "optimizer": (dict, type(None)), "scheduler": dict, "scaler": dict, "epoch": int,
-             "step": int, "best_acc1": (int, float), "world_size": int, "rng_states": list,
-             "train_samples": int, "train_sums": (torch.Tensor, type(None))}  # as RunState saves them
-    bounds = {"epoch": (0, 2**31), "step": (0, len(sets[0])), "world_size": (1, 2**31), "train_samples": (1, 2**31)}
-    for key in [key for key in kinds if key in ckpt] if not args.evaluate else ():
-        value = ckpt[key]
-        odd = not isinstance(value, kinds[key]) or isinstance(value, bool)
-        if odd or key in bounds and not bounds[key][0] <= value < bounds[key][1]:
-            raise UserError(f"{path}: its {key} is {f'a {type(value).__name__}' if odd else value}, which these "
-                            f"scripts never save: the file is damaged or made elsewhere; resume from another "
-                            f"checkpoint, or evaluate it with -e")
+    check_kinds(path, ckpt, args)
     # the step and the schedule count batches of --batch-size, the optimizer's groups follow --no-wd-norm-bias, and
     # its state holds --lr, --momentum and --wd (given anew, they would be ignored); --seed drew the order of the
     # epoch a preempted run goes on with; checkpoints before --opt: SGD's
@@ -1980,10 +1972,29 @@ def check_fit(path, ckpt, sets, args):
                         f"(model_best.pth.tar, or another copy)")
 
 
+def check_kinds(path, ckpt, args):
+    """A checkpoint's parts of types that no run saves (damaged, or made by hand), before anything reads them."""
+    kinds = {"args": dict, "optimizer": (dict, type(None)), "scheduler": dict, "scaler": dict, "rng_states": list,
+             "best_acc1": (int, float), "best_dice": (int, float), "train_sums": (torch.Tensor, type(None))}
+    odd = next((key for key, kind in kinds.items() if key in ckpt and not isinstance(ckpt[key], kind)), None)
+    if odd and not args.evaluate:
+        raise UserError(f"{path}: its {odd} is a {type(ckpt[odd]).__name__}, which these scripts never save: the file "
+                        f"is damaged or made elsewhere; resume from another checkpoint, or evaluate it with -e")
+
+
 def check_train_samples(path, ckpt, train_set, args):
-    """A resume on a training set of another size, which the step it resumes at, the order of a preempted epoch and
-    the schedule cannot follow: they count the batches of the set it was trained on."""
-    trained = ckpt.get("train_samples") if ckpt and not args.evaluate else None  # (none in older checkpoints)
+    """A checkpoint's counts that no run saves (damaged, or made by hand), and a resume on a training set of another
+    size, which the step it resumes at, the order of a preempted epoch and the schedule cannot follow: they count the
+    batches of the set it was trained on."""
+    if not ckpt or args.evaluate:
+        return
+    bounds = {"epoch": (0, 2**31), "step": (0, len(train_set)), "world_size": (1, 2**31), "train_samples": (1, 2**31)}
+    odd = next((key for key, (low, high) in bounds.items()
+                if key in ckpt and not (type(ckpt[key]) is int and low <= ckpt[key] < high)), None)  # (not a bool)
+    if odd:
+        raise UserError(f"{path}: its {odd} is {ckpt[odd]!r}, which these scripts never save: the file is damaged or "
+                        f"made elsewhere; resume from another checkpoint, or evaluate it with -e")
+    trained = ckpt.get("train_samples")  # (none in older checkpoints)
     if trained not in (None, len(train_set)):
         raise UserError(f"{path} was trained on {trained} training samples, this run has {len(train_set)}: resume "
                         f"with the data it was trained on, or train without --resume")
@@ -2030,8 +2041,9 @@ def explain_unreadable(read_checkpoint):
             return read_checkpoint(path)
         except Exception as e:
             if isinstance(e, IsADirectoryError):  # a folder given for a file: nothing in it is damaged
-                raise UserError(f"cannot load checkpoint {path}: it is a folder, not a checkpoint file; give a file "
-                                f"that a run saved, or move the folder away to start fresh") from None
+                raise UserError(f"cannot load checkpoint {path}: it is a folder, not a checkpoint file (as "
+                                f"fsdp_distributed.py saves: resume those with it); give a file that a run saved, or "
+                                f"move the folder away to start fresh") from None
             text = str(e).split("WeightsUnpickler error:")[-1].strip()  # torch.load(weights_only=True): after it, why
             if text.startswith("Unsupported global: GLOBAL "):  # a pickled object: torch.save(model), say
                 raise UserError(f"cannot load checkpoint {path}: it holds a pickled {text.split()[3]}, and checkpoints "

@@ -728,8 +728,9 @@ def resume_path(args):
     if args.resume == "auto":
         path = os.path.join(args.output_dir, CHECKPOINT)
         return path if os.path.lexists(path) else None
-    if args.resume and not os.path.exists(args.resume):  # [safety]
-        raise UserError(f"--resume {args.resume}: no such file; give an existing checkpoint, or "  # [safety]
+    if args.resume and not (os.path.isfile(args.resume) or os.path.isdir(args.resume)):  # [safety]
+        what = "not a file (a pipe, a device)" if os.path.exists(args.resume) else "no such file"  # [safety]
+        raise UserError(f"--resume {args.resume}: {what}; give an existing checkpoint, or "  # [safety]
                         f"--resume auto")  # [safety]
     return args.resume or None
 
@@ -744,8 +745,11 @@ def load_checkpoint(path, config, args):
     step, optimizer, schedule and the epoch's order hold: given anew, they would be ignored), without a wrapper's
     prefix."""
     ckpt = read_checkpoint(path)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or ckpt.get("arch") != "unet3d":  # [safety]
-        raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script")  # [safety]
+    unet = isinstance(ckpt, dict) and ckpt.get("arch") == "unet3d" and isinstance(ckpt.get("model"), dict)  # [safety]
+    weights = ckpt.get("state_dict") if unet else None  # [safety]
+    if not (isinstance(weights, dict) and all(isinstance(key, str) for key in weights)):  # [safety]
+        raise UserError(f"{path} is not a 3D U-Net training checkpoint of this script: give one it saved")  # [safety]
+    check_kinds(path, ckpt, args)  # [safety]
     if ckpt["model"] != config:  # [safety]
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ckpt["model"].items()  # [safety]
                          if k != "in_channels")  # [safety]
@@ -1306,10 +1310,29 @@ def check_evaluated(path, args):
                         + " or --pretrained" * hasattr(args, "pretrained"))
 
 
+def check_kinds(path, ckpt, args):
+    """A checkpoint's parts of types that no run saves (damaged, or made by hand), before anything reads them."""
+    kinds = {"args": dict, "optimizer": (dict, type(None)), "scheduler": dict, "scaler": dict, "rng_states": list,
+             "best_acc1": (int, float), "best_dice": (int, float), "train_sums": (torch.Tensor, type(None))}
+    odd = next((key for key, kind in kinds.items() if key in ckpt and not isinstance(ckpt[key], kind)), None)
+    if odd and not args.evaluate:
+        raise UserError(f"{path}: its {odd} is a {type(ckpt[odd]).__name__}, which these scripts never save: the file "
+                        f"is damaged or made elsewhere; resume from another checkpoint, or evaluate it with -e")
+
+
 def check_train_samples(path, ckpt, train_set, args):
-    """A resume on a training set of another size, which the step it resumes at, the order of a preempted epoch and
-    the schedule cannot follow: they count the batches of the set it was trained on."""
-    trained = ckpt.get("train_samples") if ckpt and not args.evaluate else None  # (none in older checkpoints)
+    """A checkpoint's counts that no run saves (damaged, or made by hand), and a resume on a training set of another
+    size, which the step it resumes at, the order of a preempted epoch and the schedule cannot follow: they count the
+    batches of the set it was trained on."""
+    if not ckpt or args.evaluate:
+        return
+    bounds = {"epoch": (0, 2**31), "step": (0, len(train_set)), "world_size": (1, 2**31), "train_samples": (1, 2**31)}
+    odd = next((key for key, (low, high) in bounds.items()
+                if key in ckpt and not (type(ckpt[key]) is int and low <= ckpt[key] < high)), None)  # (not a bool)
+    if odd:
+        raise UserError(f"{path}: its {odd} is {ckpt[odd]!r}, which these scripts never save: the file is damaged or "
+                        f"made elsewhere; resume from another checkpoint, or evaluate it with -e")
+    trained = ckpt.get("train_samples")  # (none in older checkpoints)
     if trained not in (None, len(train_set)):
         raise UserError(f"{path} was trained on {trained} training samples, this run has {len(train_set)}: resume "
                         f"with the data it was trained on, or train without --resume")
@@ -1356,8 +1379,9 @@ def explain_unreadable(read_checkpoint):
             return read_checkpoint(path)
         except Exception as e:
             if isinstance(e, IsADirectoryError):  # a folder given for a file: nothing in it is damaged
-                raise UserError(f"cannot load checkpoint {path}: it is a folder, not a checkpoint file; give a file "
-                                f"that a run saved, or move the folder away to start fresh") from None
+                raise UserError(f"cannot load checkpoint {path}: it is a folder, not a checkpoint file (as "
+                                f"fsdp_distributed.py saves: resume those with it); give a file that a run saved, or "
+                                f"move the folder away to start fresh") from None
             text = str(e).split("WeightsUnpickler error:")[-1].strip()  # torch.load(weights_only=True): after it, why
             if text.startswith("Unsupported global: GLOBAL "):  # a pickled object: torch.save(model), say
                 raise UserError(f"cannot load checkpoint {path}: it holds a pickled {text.split()[3]}, and checkpoints "

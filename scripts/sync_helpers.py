@@ -46,6 +46,7 @@ SAFETY = ["one_line", "argument_error", "check_range", "exit_bad_input", "explai
           "check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS",
           "add_foreign_flags", "MEMORY", "check_batch",
           "check_run", "check_image_folder", "check_datasets", "check_model", "check_evaluated", "check_fit",
+          "check_kinds",
           "check_train_samples",
           "check_shared_gpus",
           "explain_failed_save", "explain_unreadable", "explain_short_loader", "explain_damaged", "unlike",

@@ -54,6 +54,12 @@ def first_train_image(data):
     return data / "train" / "class0" / "0000.JPEG"
 
 
+def named_pipe(tmp_path):
+    """A FIFO: reading it waits for a writer that never comes (and a SIGTERM only sets the preemption flag)."""
+    os.mkfifo(tmp_path / "pipe")
+    return tmp_path / "pipe"
+
+
 def earlier_run(tmp_path, fsdp=False):
     """An --output-dir that holds the checkpoint of an earlier run: this script's, or fsdp_distributed.py's folder
     (they would overwrite each other's model_best.pth.tar)."""
@@ -169,6 +175,8 @@ CASES = {
                                    r"192 training samples are fewer than one global batch of 512: lower -b"),
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
                             r"--resume .*none.pth.tar: no such file"),
+    "resume from a named pipe": (1, lambda d, t: [d, "--resume", named_pipe(t)],
+                                 r"--resume .*pipe: not a file \(a pipe, a device\); give an existing checkpoint"),
     "-e with no weights to evaluate": (1, lambda d, t: [d, "-e"],
                                        r"^error: -e evaluates trained weights, and none are given: add --resume PATH "
                                        r"\(a checkpoint, or weights saved with torch.save\(model.state_dict\(\), "
@@ -177,8 +185,9 @@ CASES = {
                                             r"-e --resume auto: --output-dir .*out holds no checkpoint to evaluate; "
                                             r"give the --output-dir of the run, or --resume PATH$"),
     "resume path a folder": (1, lambda d, t: [d, "--resume", t],
-                             r"cannot load checkpoint .*: it is a folder, not a checkpoint file; give a file that a "
-                             r"run saved, or move the folder away to start fresh"),
+                             r"cannot load checkpoint .*: it is a folder, not a checkpoint file \(as "
+                             r"fsdp_distributed.py saves: resume those with it\); give a file that a run saved, or "
+                             r"move the folder away to start fresh"),
     "resume auto, the checkpoint a link to nothing": (
         1, lambda d, t: [d, *broken_checkpoint(t, lambda path: path.symlink_to("gone"))],
         r"cannot load checkpoint .*resumed/checkpoint.pth.tar \(.*No such file.*\): it is unreadable"),

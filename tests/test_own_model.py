@@ -654,6 +654,8 @@ BAD = {
     "a module that does not import": (["--dataset", "mine:table", "-a", "nowhere:mlp"],
                                       r"--arch nowhere:mlp: cannot import nowhere \(ModuleNotFoundError.*PYTHONPATH"),
     "no such function": (["--dataset", "mine:table", "-a", "mine:nothing"], r"mine \(.*mine.py\) has no function"),
+    "a name that is no function": (["--dataset", "mine:table", "-a", "mine:np"],
+                                   r"mine \(.*mine.py\) has no function np \(np there is a module\)$"),
     "a function that raises": (["--dataset", "mine:raises", "-a", "mine:mlp"],
                                r"--dataset mine:raises: raises\(args\) failed \(ValueError: no data here\)"),
     "not a module": (["--dataset", "mine:table", "-a", "mine:not_a_module"],

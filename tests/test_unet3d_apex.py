@@ -293,6 +293,9 @@ CASES = {
         1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, args={"milestones": [5]})],
         r"ckpt.pth.tar was trained with --milestones 5, this run has --milestones 60 80: continue it with "
         r"--milestones 5, or train without --resume"),
+    "resume checkpoint with a count no run saves": (
+        1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, epoch=True)],
+        r"ckpt.pth.tar: its epoch is True, which these scripts never save: the file is damaged or made elsewhere"),
     "resume on a training set of another size": (
         1, lambda d, t: [d, "--resume", other_model_checkpoint(t, base_channels=8, depth=3, train_samples=9)],
         r"ckpt.pth.tar was trained on 9 training samples, this run has \d+: resume with the data it was trained on"),
@@ -306,7 +309,7 @@ CASES = {
                                    r"^error: \d+ training volumes x \d+ patches are fewer than one global batch of "
                                    r"512: lower -b or raise --patches-per-volume$"),
     "resume a checkpoint of distributed.py": (1, lambda d, t: [d, "--resume", other_model_checkpoint(
-        t, arch="resnet18")], r"ckpt.pth.tar is not a 3D U-Net training checkpoint of this script$"),
+        t, arch="resnet18")], r"ckpt.pth.tar is not a 3D U-Net training checkpoint of this script: give one it saved$"),
     "a NaN voxel": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(x / "train" / "images" / "vol0.npy",
                                                                         nan_volume()))],
                     r"^error: .*train/images/vol0.npy holds NaN or inf values: replace them \(numpy.nan_to_num\), or "
