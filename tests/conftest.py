@@ -48,6 +48,9 @@ CHECKPOINT_KEYS = {"epoch", "step", "arch", "state_dict", "optimizer", "schedule
 PREEMPTED = 75
 # torchrun's and horovodrun's exit code for a job one of whose processes exited non-zero (75 included)
 LAUNCHER_FAILED = 1
+# torchrun itself, signalled, once aborted as its interpreter exited, its workers done (seen once in CI, under
+# load): a C++ thread of torch's, not the script's; assert_preempted takes that exit too, and checks the rest
+TORCHRUN_ABORT = "terminate called without an active exception"
 # what a training run leaves in --output-dir (run.lock: the lock a second run given the folder stops at)
 OUTPUT_FILES = ["checkpoint.pth.tar", "metrics.jsonl", "model_best.pth.tar", "run.lock", "tb"]
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40)]
@@ -372,7 +375,8 @@ def assert_preempted(job, out, code=PREEMPTED):
     """A job signalled during epoch 0 exits `code`, with a checkpoint at the step where every rank stopped.
     Returns that step."""
     job.finish()
-    assert job.returncode == code, job.output
+    aborted = code == LAUNCHER_FAILED and job.returncode == -signal.SIGABRT and TORCHRUN_ABORT in job.output
+    assert job.returncode == code or aborted, job.output
     stop = re.search(r"preempted: saved .* at epoch 0 step (\d+);", job.output)
     assert stop, job.output
     ckpt = load(out / "checkpoint.pth.tar")
