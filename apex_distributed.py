@@ -2073,14 +2073,18 @@ def explain_damaged(load_state_dict):
     made by hand or by another program), stops the run in one line: not at a later step, in a traceback or, for an
     optimizer state of another shape, in a fused step's segmentation fault."""
     def load(run, ckpt, args, *rest):
-        own = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
+        def states():
+            return {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}
+
+        own = states()
         try:
             loaded = load_state_dict(run, ckpt, args, *rest)
             if args.evaluate:
                 return loaded
-            odd = next((f"optimizer state {key}" for p, state in run.optimizer.state.items() for key, v in state.items()
-                        if not isinstance(v, torch.Tensor) or v.dim() and (v.shape, v.dtype) != (p.shape, p.dtype)),
-                       unlike({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()}, own))
+            odd_shapes = (f"optimizer state {key}" for p, state in run.optimizer.state.items()
+                          for key, v in state.items()
+                          if not isinstance(v, torch.Tensor) or v.dim() and (v.shape, v.dtype) != (p.shape, p.dtype))
+            odd = next(odd_shapes, None) or unlike(states(), own)
             if odd:
                 raise ValueError(f"its {odd.lstrip('.')} is unlike this run's")
             return loaded
