@@ -375,7 +375,10 @@ def main_worker(args, local_index=None):
     model = build_model(args, num_classes)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own dropout draws
     preemption.catch(False)  # [preemption]
+    ctrl_c = signal.getsignal(signal.SIGINT)  # no handler runs while it waits for its peers: Ctrl-C ends the wait
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ctrl_c is signal.SIG_IGN else signal.SIG_DFL)
     group = start_process_group(args, rank, world_size, device, log)
+    signal.signal(signal.SIGINT, ctrl_c)
     preemption.group = group  # [preemption]
     preemption.catch(True)  # [preemption]
     check_ranks_agree(args, sets, ckpt)  # [safety]

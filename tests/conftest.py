@@ -223,18 +223,22 @@ import torch
 
 def rows(args):
     open(os.path.join(os.environ["STARTED"], str(os.getpid())), "w").close()
-    time.sleep(3)
+    time.sleep(float(os.environ.get("PAUSE_RANK" + os.environ.get("RANK", "0"), 3)))
     data = torch.utils.data.TensorDataset(torch.randn(64, 20), torch.arange(64) % 2)
     return data, data
 
 
 def linear(num_classes):
-    return torch.nn.Linear(20, num_classes)
+    model = torch.nn.Linear(20, num_classes)
+    if not model.weight.is_meta:  # built to train (not to be looked at): its rank starts the process group next
+        open(os.path.join(os.environ["STARTED"], os.pardir, "built"), "w").close()
+    return model
 '''
 
 
 def slow_start(tmp_path, ranks=2):
-    """A tiny run whose ranks each pause 3 s while they build their datasets: (its flags, its environment, a
+    """A tiny run whose ranks each pause 3 s while they build their datasets (PAUSE_RANKn in the environment: rank n
+    another time), and that makes tmp_path/built as a rank starts its process group: (its flags, its environment, a
     function that waits until all `ranks` are in that pause)."""
     (tmp_path / "slow.py").write_text(SLOW_START)
     started = tmp_path / "started"

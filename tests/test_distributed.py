@@ -1,6 +1,7 @@
 """distributed.py launched by torchrun (and plain python) on CPU: learning, checkpoints, exact
 evaluation, equivalence across process counts, resume, preemption and faults."""
 import ast
+import os
 import re
 import shutil
 import signal
@@ -14,8 +15,8 @@ import torch
 import torchvision
 
 from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, TORCHRUN_CMD, Job, assert_learned,
-                      assert_preempted, assert_same_run, assert_same_tensors, free_port, freeze, load, metrics, ok,
-                      python, slow_start, spawn, started, threads_started, torchrun)
+                      assert_preempted, assert_same_run, assert_same_tensors, error_lines, free_port, freeze, load,
+                      metrics, ok, python, slow_start, spawn, started, threads_started, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -217,6 +218,23 @@ def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(signum, tmp_p
     else:
         job.finish(timeout=60)  # and nothing is left (Job.finish checks)
         assert job.returncode == -signum and not (tmp_path / "out" / "checkpoint.pth.tar").exists()
+
+
+def test_ctrl_c_while_a_rank_waits_for_its_peers_ends_every_process_at_once(tmp_path):
+    """Ctrl-C with rank 0 still building its datasets and rank 1 waiting for it in the rendezvous, where no handler
+    of Python's runs: rank 1 used to wait on until torchrun killed it, 30 s later. Rank 0 says why, once."""
+    flags, env, wait_for_ranks = slow_start(tmp_path)
+    job = torchrun(SCRIPT, 2, *flags, env={**env, "PAUSE_RANK0": "120"})
+    wait_for_ranks()
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "built").exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.1)
+    time.sleep(1)  # rank 1: into the rendezvous
+    os.killpg(job.proc.pid, signal.SIGINT)
+    job.finish(timeout=20)  # torchrun's own wait for a rank that ignores its signal: 30 s
+    assert job.output.count("stopped by Ctrl-C, without saving") == 1, job.output  # (torchrun's own traceback too)
+    assert "KeyboardInterrupt" not in job.output and not error_lines(job.output), job.output
 
 
 def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line(image_data, tmp_path):
