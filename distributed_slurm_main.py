@@ -929,14 +929,15 @@ def save_checkpoint(state, is_best, output_dir):
 
 def resume_path(args):
     """The checkpoint to resume, or None; --resume auto: --output-dir's if anything is there (a broken link stops)."""
-    if args.resume == "auto":
-        path = os.path.join(args.output_dir, CHECKPOINT)
-        return path if os.path.lexists(path) else None
-    if args.resume and not (os.path.isfile(args.resume) or os.path.isdir(args.resume)):  # [safety]
-        what = "not a file (a pipe, a device)" if os.path.exists(args.resume) else "no such file"  # [safety]
-        raise UserError(f"--resume {args.resume}: {what}; give an existing checkpoint, or "  # [safety]
-                        f"--resume auto")  # [safety]
-    return args.resume or None
+    path = os.path.join(args.output_dir, CHECKPOINT) if args.resume == "auto" else args.resume
+    if args.resume == "auto" and not os.path.lexists(path):
+        return None
+    if path and os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):  # [safety]
+        raise UserError(f"--resume {args.resume}: {path} is not a file (a pipe, a device): give a "  # [safety]
+                        f"checkpoint, or move it away")  # [safety]
+    if path and not os.path.lexists(path):  # [safety]
+        raise UserError(f"--resume {path}: no such file; give an existing checkpoint, or --resume auto")  # [safety]
+    return path or None
 
 
 def read_checkpoint(path):
@@ -1619,6 +1620,8 @@ def explain_unreadable_image(load_image):
     @functools.wraps(load_image)  # (pickled by name, as a spawned loader worker takes it)
     def load(path):
         try:
+            if not os.path.isfile(path):  # a named pipe would be read for ever
+                raise OSError("not a file: a pipe, a device")
             return load_image(path)
         except Exception as e:
             raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
@@ -2428,10 +2431,11 @@ def claim_output_dir(args, rank, log):
     path = os.path.join(args.output_dir, "run.lock")
     files = [os.path.join(args.output_dir, name + tmp) for name in (CHECKPOINT, "model_best.pth.tar", "metrics.jsonl",
                                                                     "run.lock") for tmp in ("", ".tmp")]
-    folder = next((file for file in files if os.path.isdir(file) and not os.path.islink(file)), None)  # (fsdp: a link)
-    if folder:
-        raise UserError(f"{folder} is a folder, where this run writes a file: move it away, or give another "
-                        f"--output-dir")
+    odd = next((file for file in files if os.path.exists(file) and not os.path.isfile(file)
+                and not (os.path.isdir(file) and os.path.islink(file))), None)  # (fsdp's checkpoint: a folder's link)
+    if odd:
+        what = "a folder" if os.path.isdir(odd) else "not a file (a pipe, a device)"
+        raise UserError(f"{odd} is {what}, where this run writes a file: move it away, or give another --output-dir")
     try:
         os.makedirs(args.output_dir, exist_ok=True)
         lock = open(path, "a+")

@@ -60,6 +60,14 @@ def named_pipe(tmp_path):
     return tmp_path / "pipe"
 
 
+def piped_output_dir(tmp_path, name):
+    """An --output-dir where a named pipe stands at one of the run's files: opened, it would wait for ever."""
+    folder = tmp_path / "piped"
+    folder.mkdir()
+    os.mkfifo(folder / name)
+    return ["--output-dir", folder]
+
+
 def earlier_run(tmp_path, fsdp=False):
     """An --output-dir that holds the checkpoint of an earlier run: this script's, or fsdp_distributed.py's folder
     (they would overwrite each other's model_best.pth.tar)."""
@@ -140,6 +148,10 @@ CASES = {
     "truncated JPEG": (1, lambda d, t: [broken_copy(d, t, lambda x: first_train_image(x)
                                                     .write_bytes(first_train_image(x).read_bytes()[:300]))],
                        r"cannot read image .*class0/0000.JPEG \(.*[Tt]runcated.*\): replace or remove the file"),
+    "a named pipe among the images": (1, lambda d, t: [broken_copy(d, t, lambda x: (first_train_image(x).unlink(),
+                                                                                os.mkfifo(first_train_image(x))))],
+                                      r"cannot read image .*class0/0000.JPEG \(not a file: a pipe, a device\): replace "
+                                      r"or remove the file"),
     "an image too large to decode": (1, lambda d, t: [broken_copy(d, t, lambda x: Image.new("1", (14000, 14000))
                                                           .save(first_train_image(x), "PNG"))],
                                      r"cannot read image .*class0/0000.JPEG \(Image size \(196000000 pixels\) exceeds "
@@ -176,7 +188,15 @@ CASES = {
     "resume path missing": (1, lambda d, t: [d, "--resume", t / "none.pth.tar"],
                             r"--resume .*none.pth.tar: no such file"),
     "resume from a named pipe": (1, lambda d, t: [d, "--resume", named_pipe(t)],
-                                 r"--resume .*pipe: not a file \(a pipe, a device\); give an existing checkpoint"),
+                                 r"--resume .*pipe: .*pipe is not a file \(a pipe, a device\): give a checkpoint"),
+    "a named pipe at --resume auto's checkpoint": (1, lambda d, t: [d, "--resume", "auto",
+                                                                    *piped_output_dir(t, "checkpoint.pth.tar")],
+                                                   r"--resume auto: .*piped/checkpoint.pth.tar is not a file \(a pipe, "
+                                                   r"a device\): give a checkpoint, or move it away"),
+    "a named pipe where the run writes a file": (1, lambda d, t: [d, *piped_output_dir(t, "metrics.jsonl")],
+                                                 r"^error: .*piped/metrics.jsonl is not a file \(a pipe, a device\), "
+                                                 r"where this run writes a file: move it away, or give another "
+                                                 r"--output-dir$"),
     "-e with no weights to evaluate": (1, lambda d, t: [d, "-e"],
                                        r"^error: -e evaluates trained weights, and none are given: add --resume PATH "
                                        r"\(a checkpoint, or weights saved with torch.save\(model.state_dict\(\), "
