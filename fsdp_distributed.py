@@ -435,6 +435,8 @@ def save_sharded(shards, train_state, output_dir, rank):
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # torch.distributed.checkpoint: on every rank
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(e, RuntimeError):  # a peer gone (gloo's, NCCL's error), not a failed write: safety_net tells it
+            raise
         need = f"each rank's shards take about {tensor_bytes(shards) / 2**20:.0f} MiB"
         raise cannot_write(e, output_dir, need) from None
 
