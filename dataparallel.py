@@ -776,13 +776,14 @@ def tensor_bytes(obj):
 
 
 def save_checkpoint(state, is_best, output_dir):
-    """checkpoint.pth.tar, and a copy in model_best.pth.tar."""
-    path = os.path.join(output_dir, CHECKPOINT)
+    """checkpoint.pth.tar, and a copy in model_best.pth.tar written before it: the checkpoint commits the epoch (a
+    run killed before it trains the epoch again), and no committed epoch's best is lost."""
+    path, best = os.path.join(output_dir, CHECKPOINT), os.path.join(output_dir, "model_best.pth.tar")
     os.makedirs(output_dir, exist_ok=True)
-    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(best if is_best else path, lambda f: torch.save(state, f))
     if is_best:
-        with open(path, "rb") as src:
-            atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
+        with open(best, "rb") as src:
+            atomic_write(path, lambda f: shutil.copyfileobj(src, f))
 
 
 def resume_path(args):

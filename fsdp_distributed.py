@@ -609,6 +609,8 @@ class RunState:
     def save(self, args, rank, is_best):
         """Every rank takes part (each writes its shards; their random states are gathered); rank 0 the rest."""
         rng_states = gather_rng_states()
+        ended = bool(args.export) and self.epoch == args.epochs  # the full weights first: the shards commit the epoch
+        self.export(args, rank, [os.path.join(args.output_dir, "model_best.pth.tar")] * is_best + [args.export] * ended)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         save_sharded({"model": model_state, "optimizer": optimizer_state}, {
             "epoch": self.epoch, "step": self.step, "arch": args.arch, "scheduler": self.scheduler.state_dict(),
@@ -616,8 +618,6 @@ class RunState:
             "world_size": len(rng_states), "rng_states": rng_states, "train_sums": self.train_sums,
             "train_samples": self.train_samples,  # [safety]
         }, args.output_dir, rank)
-        ended = bool(args.export) and self.epoch == args.epochs
-        self.export(args, rank, [os.path.join(args.output_dir, "model_best.pth.tar")] * is_best + [args.export] * ended)
 
     def export(self, args, rank, paths):
         """The full weights, gathered to rank 0's CPU, into each of `paths` in distributed.py's checkpoint format
@@ -954,13 +954,14 @@ def tensor_bytes(obj):
 
 
 def save_checkpoint(state, is_best, output_dir):
-    """checkpoint.pth.tar, and a copy in model_best.pth.tar."""
-    path = os.path.join(output_dir, CHECKPOINT)
+    """checkpoint.pth.tar, and a copy in model_best.pth.tar written before it: the checkpoint commits the epoch (a
+    run killed before it trains the epoch again), and no committed epoch's best is lost."""
+    path, best = os.path.join(output_dir, CHECKPOINT), os.path.join(output_dir, "model_best.pth.tar")
     os.makedirs(output_dir, exist_ok=True)
-    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(best if is_best else path, lambda f: torch.save(state, f))
     if is_best:
-        with open(path, "rb") as src:
-            atomic_write(os.path.join(output_dir, "model_best.pth.tar"), lambda f: shutil.copyfileobj(src, f))
+        with open(best, "rb") as src:
+            atomic_write(path, lambda f: shutil.copyfileobj(src, f))
 
 
 def resume_path(args):
