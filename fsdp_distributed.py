@@ -2321,6 +2321,10 @@ def explain_failure(error, args):
                          "the job starts, or use fewer -j/--workers")
     frames = traceback.extract_tb(error.__traceback__)
     from_folder = bool(frames) and frames[-1].filename.endswith(os.path.join("datasets", "folder.py"))  # ImageFolder
+    written = getattr(error, "filename", None) or "/"  # a file of this run's output?
+    if frames and frames[-1].name == "write_epoch":  # metrics.jsonl's write, which names no file (a disk full)
+        written = os.path.join(args.output_dir, "metrics.jsonl")
+    written = os.path.abspath(os.fsdecode(written))
     if isinstance(error, FileNotFoundError) and from_folder:
         return UserError(f"{getattr(args, 'data', None)}: {str(error).split('. ')[0]}; every class folder (of train/ "
                          f"and val/) needs an image it can read")  # ImageFolder's words, which name no split
@@ -2330,7 +2334,6 @@ def explain_failure(error, args):
         got = str(error).split("got ")[-1]
         return UserError(f"a BatchNorm layer got one value per channel in a training step ({got}): give each "
                          f"process's (micro-)batch 2 or more samples (a larger -b/--batch-size), or larger inputs")
-    written = os.path.abspath(os.fsdecode(getattr(error, "filename", None) or "/"))  # a file of this run's output?
     if isinstance(error, OSError) and written.startswith(os.path.abspath(getattr(args, "output_dir", "/")) + os.sep):
         return RankError(f"cannot write {written} ({error.strerror}): give --output-dir a folder where this "
                          f"run's files (checkpoints, metrics.jsonl, tb/) can be written")

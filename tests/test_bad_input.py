@@ -525,6 +525,32 @@ def test_a_disk_that_fills_up_keeps_the_last_checkpoint_and_says_how_much_room_i
     assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES  # no partial file left
 
 
+FULL_AT_METRICS = """
+import resource, torch
+def rows(args):
+    inputs = torch.randn(64, 20, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] > 0).long())
+    return data, data
+def linear(num_classes):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))  # no file past 1 MiB: EFBIG, as a disk that is full
+    return torch.nn.Linear(20, num_classes)
+"""
+
+
+def test_a_metrics_row_that_cannot_be_written_is_one_clear_line_after_the_checkpoint(tmp_path):
+    """The append to metrics.jsonl fails as it is flushed, in an error that names no file (a full disk, a quota, a
+    file size limit): it used to end in a traceback."""
+    (tmp_path / "full.py").write_text(FULL_AT_METRICS)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("\n" * 2**20)
+    job = python(SCRIPT, "--dataset", "full:rows", "-a", "full:linear", "--num-classes", "2", "-b", "8", "-j", "2",
+                 "--epochs", "1", "--output-dir", out, env={"PYTHONPATH": tmp_path}).finish(120)
+    assert_one_clear_line(job, rf"cannot write {out}/metrics.jsonl \(File too large\): give --output-dir a folder "
+                               r"where this run's files \(checkpoints, metrics.jsonl, tb/\) can be written")
+    assert load(out / "checkpoint.pth.tar")["epoch"] == 1
+
+
 def test_a_second_run_in_the_same_output_folder_is_refused_and_a_killed_run_leaves_no_lock(image_data, tmp_path):
     first = python(SCRIPT, image_data, *FAST, "-p", "1", "--epochs", "50", "--output-dir", tmp_path)
     first.wait_for_line("Epoch 0 [ 1/12]")
