@@ -70,7 +70,7 @@ import torch._dynamo  # noqa: F401 (import before any process group, or it keeps
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present  # [foreign-weights]
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import swa_utils  # [ema]
@@ -734,6 +734,7 @@ def load_image(path):
     if image is not None:  # [fast-decode]
         return image  # [fast-decode]
     with Image.open(path) as img:
+        ImageOps.exif_transpose(img, in_place=True)  # turned upright as its EXIF orientation says, as torchcodec does
         if img.mode.startswith("I;16"):  # 16-bit gray (convert("RGB") would clip at 255): its top 8 bits
             return (v2.functional.pil_to_tensor(img.convert("I")) >> 8).to(torch.uint8).repeat(3, 1, 1)
         if img.mode in ("I", "F"):  # [safety]

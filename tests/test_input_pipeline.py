@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, default_collate
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
@@ -28,6 +28,8 @@ def photo(height=60, width=80):
     return np.stack([(np.sin(x / 7 + c) * 90 + np.cos(y / 5) * 30 + 128) for c in range(3)], -1).astype(np.uint8)
 
 
+TURNED = Image.Exif()
+TURNED[0x0112] = 6  # Orientation: shown turned 90 degrees clockwise (a phone held upright)
 ODD_FILES = {  # name: how it is written; all are named .JPEG, as ImageNet's are
     "rgb": lambda p: Image.fromarray(photo()).save(p, format="JPEG", quality=90),
     "rgb, chroma at full size (4:4:4)": lambda p: Image.fromarray(photo()).save(p, format="JPEG", subsampling=0),
@@ -35,6 +37,8 @@ ODD_FILES = {  # name: how it is written; all are named .JPEG, as ImageNet's are
     "rgb, progressive": lambda p: Image.fromarray(photo()).save(p, format="JPEG", progressive=True),
     "grayscale": lambda p: Image.fromarray(photo()).convert("L").save(p, format="JPEG", quality=90),
     "cmyk": lambda p: Image.fromarray(photo()).convert("CMYK").save(p, format="JPEG", quality=90),
+    "rgb, turned by its EXIF orientation": lambda p: Image.fromarray(photo()).save(p, format="JPEG", quality=90,
+                                                                                 exif=TURNED),
     "png named .JPEG": lambda p: Image.fromarray(photo()).save(p, format="PNG"),
     "rgba png named .JPEG": lambda p: Image.fromarray(photo()).convert("RGBA").save(p, format="PNG"),
 }
@@ -44,8 +48,9 @@ ODD_FILES = {  # name: how it is written; all are named .JPEG, as ImageNet's are
 @pytest.mark.parametrize("kind", ODD_FILES)
 def test_every_kind_of_file_loads_as_the_same_rgb_pixels_with_either_decoder(kind, decoder, script, tmp_path,
                                                                                monkeypatch):
-    """Both decode JPEGs with libjpeg-turbo and its default (accurate) settings: not a pixel differs, so results do
-    not depend on which one a machine has. torchcodec is what scripts/setup.sh installs: it must be the one here."""
+    """Both decode JPEGs with libjpeg-turbo and its default (accurate) settings, and turn them upright as their EXIF
+    orientation says: not a pixel differs, so results do not depend on which one a machine has. torchcodec is what
+    scripts/setup.sh installs: it must be the one here."""
     assert script.JPEG_DECODER == "torchcodec"
     if decoder == "PIL":
         monkeypatch.setattr(script, "decode_jpeg", None)
@@ -53,8 +58,9 @@ def test_every_kind_of_file_loads_as_the_same_rgb_pixels_with_either_decoder(kin
     ODD_FILES[kind](path)
     image = script.load_image(str(path))
     with Image.open(path) as img:
-        expected = pil_to_tensor(img.convert("RGB"))
-    assert image.dtype == torch.uint8 and image.shape == (3, 60, 80) and torch.equal(image, expected)
+        expected = pil_to_tensor(ImageOps.exif_transpose(img).convert("RGB"))
+    upright = (3, 80, 60) if "EXIF" in kind else (3, 60, 80)
+    assert image.dtype == torch.uint8 and image.shape == upright and torch.equal(image, expected)
 
 
 def test_pixels_wider_than_8_bits_are_scaled_or_refused_never_clipped(script, tmp_path):
