@@ -432,11 +432,9 @@ def save_sharded(shards, train_state, output_dir, rank):
             for old in glob.glob(f"{glob.escape(link)}.*"):  # the last one, and any a crash left half-written
                 if old != folder and old[len(link) + 1:].isdigit():
                     shutil.rmtree(old, ignore_errors=True)
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # torch.distributed.checkpoint: on every rank
+    except (OSError, dcp.api.CheckpointException) as e:  # on every rank (not a RuntimeError: a peer gone, as a crash)
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-        if isinstance(e, RuntimeError):  # a peer gone (gloo's, NCCL's error), not a failed write: safety_net tells it
-            raise
         need = f"each rank's shards take about {tensor_bytes(shards) / 2**20:.0f} MiB"
         raise cannot_write(e, output_dir, need) from None
 
