@@ -47,6 +47,7 @@ import shutil
 import signal
 import socket  # [safety]
 import sys
+import threading  # [logs]
 import time
 import traceback  # [safety]
 
@@ -1401,6 +1402,8 @@ def open_writer(args, rank, epoch):
         print(f"note: no TensorBoard logs (tensorboard did not load: {why}; pip install -U tensorboard); "
               f"metrics.jsonl has them")
         return False
+    report = threading.excepthook  # its writer thread's error comes again as the next flush's (write_epoch's): once
+    threading.excepthook = lambda fail: None if type(fail.thread).__module__.startswith("tensorboard") else report(fail)
     writer = SummaryWriter(os.path.join(args.output_dir, "tb"), purge_step=epoch)
     atexit.register(writer.close)
     return writer

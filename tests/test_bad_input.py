@@ -525,6 +525,18 @@ def test_a_disk_that_fills_up_keeps_the_last_checkpoint_and_says_how_much_room_i
     assert sorted(p.name for p in out.iterdir()) == OUTPUT_FILES  # no partial file left
 
 
+def test_a_read_only_tensorboard_folder_is_one_line_without_the_writer_threads_traceback(small_disk, image_data,
+                                                                                         tmp_path):
+    """TensorBoard's writer thread meets the error first and prints its traceback, then the training process meets
+    it again at the flush (and says it in one line)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tb").symlink_to(small_disk("1m", read_only=True))
+    job = python(SCRIPT, image_data, *FAST, "--epochs", "1", "--output-dir", out).finish(120)
+    assert_one_clear_line(job, r"cannot write .*/tb/events.out.tfevents.* \(Read-only file system\): give --output-dir "
+                               r"a folder where this run's files")
+
+
 FULL_AT_METRICS = """
 import resource, torch
 def rows(args):
