@@ -1469,7 +1469,10 @@ def exit_bad_input(error, reporter):
     """Exit code 2, with one `error:` line from the reporting rank (each rank, for a RankError). A silent rank waits up
     to 30 s to be stopped: a launcher that saw it exit would stop the reporting rank before it printed."""
     if reporter or isinstance(error, RankError):
-        print(f"error: {error}\n", end="", file=sys.stderr, flush=True)  # one write: other ranks' lines cannot split it
+        try:
+            print(f"error: {error}\n", end="", file=sys.stderr, flush=True)  # one write: other ranks' cannot split it
+        except OSError:  # stderr on a full disk, or gone: the exit code alone says it (and exit's flush cannot fail)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, preemption handler or not
         time.sleep(30)

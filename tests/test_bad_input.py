@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -535,6 +536,15 @@ def test_a_read_only_tensorboard_folder_is_one_line_without_the_writer_threads_t
     job = python(SCRIPT, image_data, *FAST, "--epochs", "1", "--output-dir", out).finish(120)
     assert_one_clear_line(job, r"cannot write .*/tb/events.out.tfevents.* \(Read-only file system\): give --output-dir "
                                r"a folder where this run's files")
+
+
+@pytest.mark.parametrize("args", [["nowhere"], ["--no-such-flag"]])
+def test_bad_input_exits_2_when_stderr_cannot_take_the_line(args, tmp_path):
+    """stderr on a full disk (a job's log file): the line is lost, not the exit code, which was 1 (print's error)."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, ROOT / SCRIPT, *args, "--output-dir", tmp_path], stdout=full,
+                              stderr=full, timeout=120)
+    assert done.returncode == 2
 
 
 FULL_AT_METRICS = """
