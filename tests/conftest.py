@@ -236,6 +236,22 @@ def linear(num_classes):
 '''
 
 
+OWN_ROWS = '''
+import os, resource, signal, torch
+def rows(args):  # learnable: the label is the sign of the first feature
+    inputs = torch.randn(64, 20, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] > 0).long())
+    return data, data
+'''
+
+
+def own_rows(tmp_path, model):
+    """A tiny run on 64 rows of 20 features in 2 classes, its model `linear(num_classes)` defined in `model` (which
+    may hook what a test needs into it): (its flags, its environment)."""
+    (tmp_path / "own.py").write_text(OWN_ROWS + model)
+    return ["--dataset", "own:rows", "-a", "own:linear", "--num-classes", "2", "-b", "8"], {"PYTHONPATH": tmp_path}
+
+
 def slow_start(tmp_path, ranks=2):
     """A tiny run whose ranks each pause 3 s while they build their datasets (PAUSE_RANKn in the environment: rank n
     another time), and that makes tmp_path/built as a rank starts its process group: (its flags, its environment, a

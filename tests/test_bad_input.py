@@ -12,7 +12,8 @@ import torch
 import torchvision
 from PIL import Image
 
-from conftest import FAST, OUTPUT_FILES, ROOT, Job, error_lines, free_port, load, ok, python, spawn, torchrun
+from conftest import (FAST, OUTPUT_FILES, ROOT, Job, error_lines, free_port, load, ok, own_rows, python, spawn,
+                      torchrun)
 
 SCRIPT = "distributed.py"
 MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # this machine's, as the scripts read it
@@ -548,11 +549,6 @@ def test_bad_input_exits_2_when_stderr_cannot_take_the_line(args, tmp_path):
 
 
 FULL_AT_METRICS = """
-import resource, torch
-def rows(args):
-    inputs = torch.randn(64, 20, generator=torch.Generator().manual_seed(0))
-    data = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] > 0).long())
-    return data, data
 def linear(num_classes):
     resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))  # no file past 1 MiB: EFBIG, as a disk that is full
     return torch.nn.Linear(20, num_classes)
@@ -562,12 +558,11 @@ def linear(num_classes):
 def test_a_metrics_row_that_cannot_be_written_is_one_clear_line_after_the_checkpoint(tmp_path):
     """The append to metrics.jsonl fails as it is flushed, in an error that names no file (a full disk, a quota, a
     file size limit): it used to end in a traceback."""
-    (tmp_path / "full.py").write_text(FULL_AT_METRICS)
+    flags, env = own_rows(tmp_path, FULL_AT_METRICS)
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text("\n" * 2**20)
-    job = python(SCRIPT, "--dataset", "full:rows", "-a", "full:linear", "--num-classes", "2", "-b", "8", "-j", "2",
-                 "--epochs", "1", "--output-dir", out, env={"PYTHONPATH": tmp_path}).finish(120)
+    job = python(SCRIPT, *flags, "-j", "2", "--epochs", "1", "--output-dir", out, env=env).finish(120)
     assert_one_clear_line(job, rf"cannot write {out}/metrics.jsonl \(File too large\): give --output-dir a folder "
                                r"where this run's files \(checkpoints, metrics.jsonl, tb/\) can be written")
     assert load(out / "checkpoint.pth.tar")["epoch"] == 1

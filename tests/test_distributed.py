@@ -16,7 +16,7 @@ import torchvision
 
 from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, TORCHRUN_CMD, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, error_lines, free_port, freeze, load,
-                      metrics, ok, python, slow_start, spawn, started, threads_started, torchrun)
+                      metrics, ok, own_rows, python, slow_start, spawn, started, threads_started, torchrun)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "distributed.py"
@@ -374,11 +374,6 @@ def test_a_rank_killed_while_it_saves_leaves_the_last_checkpoint_and_no_stray_fi
 
 
 KILLED_BETWEEN_WRITES = """
-import os, signal, torch
-def rows(args):
-    inputs = torch.randn(64, 20, generator=torch.Generator().manual_seed(0))
-    data = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] > 0).long())
-    return data, data
 def linear(num_classes):
     model = torch.nn.Linear(20, num_classes)
     def kill_at_second_write(module, prefix, keep_vars):  # as the checkpoint is saved (not check_model's meta look)
@@ -399,14 +394,13 @@ def test_a_run_killed_between_the_best_and_the_checkpoint_loses_no_best_weights(
     """The first epoch's save writes two files, each whole or not at all; SIGKILL between them. model_best.pth.tar
     comes first: the checkpoint that commits an epoch comes last. The other way round, a resumed run went on from
     the committed epoch and never wrote its best weights."""
-    (tmp_path / "kill.py").write_text(KILLED_BETWEEN_WRITES)
+    flags, env = own_rows(tmp_path, KILLED_BETWEEN_WRITES)
     out = tmp_path / "out"
-    flags = ["--dataset", "kill:rows", "-a", "kill:linear", "--num-classes", "2", "-b", "8", "-j", "2", "--epochs",
-             "2", "--output-dir", out]
-    job = python(SCRIPT, *flags, env={"PYTHONPATH": tmp_path, "KILL": "1"}).finish(120)
+    flags += ["-j", "2", "--epochs", "2", "--output-dir", out]
+    job = python(SCRIPT, *flags, env={**env, "KILL": "1"}).finish(120)
     assert job.returncode == -signal.SIGKILL and load(out / "model_best.pth.tar")["epoch"] == 1, job.output
     assert not (out / "checkpoint.pth.tar").exists()  # the epoch is not committed: it is trained again
-    ok(python(SCRIPT, *flags, "--resume", "auto", env={"PYTHONPATH": tmp_path}))
+    ok(python(SCRIPT, *flags, "--resume", "auto", env=env))
     best, last = load(out / "model_best.pth.tar"), load(out / "checkpoint.pth.tar")
     assert best["best_acc1"] == last["best_acc1"] > 0 and [row["epoch"] for row in metrics(out)] == [0, 1]
 

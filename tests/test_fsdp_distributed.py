@@ -12,7 +12,7 @@ import torch
 import torchvision
 
 from conftest import (FAST, LAUNCHER_FAILED, NO_BN, assert_same_tensors, error_lines, import_script, load, metrics, ok,
-                      python, torchrun, two_nodes)
+                      own_rows, python, torchrun, two_nodes)
 from test_bad_input import assert_one_clear_line
 
 SCRIPT = "fsdp_distributed.py"
@@ -267,10 +267,6 @@ def test_a_full_disk_while_the_shards_are_written_keeps_the_last_checkpoint(pair
 
 
 DIES_IN_SAVE = """
-import os, signal, torch
-def rows(args):
-    data = torch.utils.data.TensorDataset(torch.randn(64, 20), torch.arange(64) % 2)
-    return data, data
 def linear(num_classes):
     model = torch.nn.Linear(20, num_classes)
     def die(module, prefix, keep_vars):  # rank 1, as it writes its first shards (not check_model's look, on meta)
@@ -284,9 +280,8 @@ def linear(num_classes):
 def test_a_peer_killed_as_the_shards_are_written_is_no_full_disk(tmp_path):
     """Rank 1 killed (the OOM killer, a node lost) as it writes its shards: rank 0's collective fails with gloo's
     "connection reset", which used to be told as a checkpoint that could not be written (the disk)."""
-    (tmp_path / "dies.py").write_text(DIES_IN_SAVE)
-    job = torchrun(SCRIPT, 2, "--dataset", "dies:rows", "-a", "dies:linear", "--num-classes", "2", "-b", "8",
-                   "--epochs", "1", "--output-dir", tmp_path / "out", env={"PYTHONPATH": tmp_path}).finish(120)
+    flags, env = own_rows(tmp_path, DIES_IN_SAVE)
+    job = torchrun(SCRIPT, 2, *flags, "--epochs", "1", "--output-dir", tmp_path / "out", env=env).finish(120)
     assert job.returncode != 0 and "cannot write a checkpoint" not in job.output, job.output
     assert [line[:45] for line in error_lines(job.output)] == ["error: a peer ended, so this rank stops too ("], \
         job.output
