@@ -56,12 +56,14 @@ import threading  # [logs]
 import time
 import traceback
 
-# torch missing, a torchvision made for another torch ("operator torchvision::nms does not exist"), Ctrl-C  # [safety]
+# torch missing, a torchvision for another torch (no torchvision::nms), TORCH_LOGS=bogus: ValueError, Ctrl-C  # [safety]
 try:  # [safety]
     import torchvision  # [safety]
 except Exception as e:  # [safety]
-    print(f"error: cannot import torchvision ({' '.join(str(e).split())[:200]}): install torch and the "  # [safety]
-          f"torchvision made for it (pip install -U torch torchvision)", file=sys.stderr)  # [safety]
+    named = ", ".join(v for v in os.environ if "TORCH" in v and not v.startswith("TORCHELASTIC"))  # [safety]
+    fix = (f"fix or unset the variable torch reads that holds it ({named})" if isinstance(e, ValueError)  # [safety]
+           else "install torch and the torchvision made for it (pip install -U torch torchvision)")  # [safety]
+    print(f"error: cannot import torchvision ({' '.join(str(e).split())[:200]}): {fix}", file=sys.stderr)  # [safety]
     sys.exit(2)  # [safety]
 except KeyboardInterrupt:  # [safety]
     sys.exit(130)  # [safety]
@@ -1552,9 +1554,10 @@ def open_writer(args, rank, epoch):
 
 
 def write_epoch(row, writer, output_dir):
-    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    """One JSON line per epoch in metrics.jsonl (NaN, inf: null, as strict JSON has them), and the same scalars in
+    TensorBoard."""
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps({key: value if abs(value) < float("inf") else None for key, value in row.items()}) + "\n")
     if not writer:  # False: no tensorboard package
         return
     os.makedirs(writer.log_dir, exist_ok=True)  # a folder removed mid-run comes back, as save_checkpoint's does

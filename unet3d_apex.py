@@ -56,9 +56,17 @@ import time
 import traceback  # [safety]
 
 import numpy as np
-# Ctrl-C while torch loads: exit 130 as main does, without a traceback  # [safety]
+# torch missing, a variable that torch reads as it loads set to a value it does not take (a ValueError:  # [safety]
+# TORCH_LOGS=bogus), Ctrl-C: one line, or exit 130 as main does, without a traceback  # [safety]
 try:  # [safety]
-    import torch  # [safety]
+    import torch._dynamo  # [safety]
+except Exception as e:  # [safety]
+    fix = "install torch, the build for your CUDA driver (pip install -U torch)"  # [safety]
+    if isinstance(e, ValueError):  # [safety]
+        named = ", ".join(v for v in os.environ if "TORCH" in v and not v.startswith("TORCHELASTIC"))  # [safety]
+        fix = f"fix or unset the variable torch reads that holds it ({named})"  # [safety]
+    print(f"error: cannot import torch ({' '.join(str(e).split())[:200]}): {fix}", file=sys.stderr)  # [safety]
+    sys.exit(2)  # [safety]
 except KeyboardInterrupt:  # [safety]
     sys.exit(130)  # [safety]
 import torch
@@ -1025,9 +1033,10 @@ def open_writer(args, rank, epoch):
 
 
 def write_epoch(row, writer, output_dir):
-    """One JSON line per epoch in metrics.jsonl, and the same scalars in TensorBoard."""
+    """One JSON line per epoch in metrics.jsonl (NaN, inf: null, as strict JSON has them), and the same scalars in
+    TensorBoard."""
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps({key: value if abs(value) < float("inf") else None for key, value in row.items()}) + "\n")
     if not writer:  # False: no tensorboard package
         return
     os.makedirs(writer.log_dir, exist_ok=True)  # a folder removed mid-run comes back, as save_checkpoint's does

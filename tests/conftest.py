@@ -340,8 +340,13 @@ def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def strict_json(constant):
+    raise AssertionError(f"{constant} in metrics.jsonl: not JSON, which has null for it")
+
+
 def metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl's rows, as a strict JSON reader takes them (jq, JavaScript: no NaN, no Infinity)."""
+    return [json.loads(line, parse_constant=strict_json) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_tensors(a, b, exact=True, rtol=1e-4, atol=1e-6):

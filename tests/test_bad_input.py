@@ -115,6 +115,7 @@ def blocked_output_dir(tmp_path, folder_for="tb"):
 
 
 TRAINING_STATE = {"epoch": 1, "scheduler": {}, "scaler": {}, "best_acc1": 0.0, "args": {}}
+TORCH_SET_WRONG = {"TORCH_COMPILE_DEBUG": "abc"}
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
@@ -338,6 +339,10 @@ CASES = {
                                         r"cannot load pretrained weights .*resnet18-.*\.pth.*"
                                         r"put the file into /nonexistent/hub/checkpoints/$",
                                         {"TORCH_HOME": "/nonexistent"}),
+    # torch reads it as it loads, and a ValueError there named the install as the cause; this one's names no variable
+    "a variable torch reads set to a value it does not take": (
+        1, lambda d, t: [d], r"cannot import torchvision \(invalid literal for int\(\) with base 10: 'abc'\): fix or "
+                             r"unset the variable torch reads that holds it \(.*TORCH_COMPILE_DEBUG", TORCH_SET_WRONG),
 }
 
 

@@ -405,6 +405,24 @@ def test_a_run_killed_between_the_best_and_the_checkpoint_loses_no_best_weights(
     assert best["best_acc1"] == last["best_acc1"] > 0 and [row["epoch"] for row in metrics(out)] == [0, 1]
 
 
+NAN_IN_EVAL = """
+class Linear(torch.nn.Linear):
+    def forward(self, x):  # finite in training, NaN in evaluation: an fp16 overflow in eval mode, say
+        out = super().forward(x)
+        return out if self.training else out * float("nan")
+def linear(num_classes):
+    return Linear(20, num_classes)
+"""
+
+
+def test_a_loss_that_is_nan_in_evaluation_is_null_in_metrics_jsonl(tmp_path):
+    """NaN and inf are not JSON: a strict reader of metrics.jsonl (jq, a dashboard) refused the whole file."""
+    flags, env = own_rows(tmp_path, NAN_IN_EVAL)
+    job = ok(python(SCRIPT, *flags, "--epochs", "1", "--output-dir", tmp_path / "out", env=env))
+    row = metrics(tmp_path / "out")[0]
+    assert row["val_loss"] is None and row["train_loss"] > 0 and "val loss nan" in job.output, row
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("*.py")))
 def test_every_script_forks_its_loader_workers_before_the_model_and_the_checkpoint(script):

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import (LAUNCHER_FAILED, OUTPUT_FILES, assert_same_tensors, import_script, load, metrics, ok, python,
                       torchrun)
-from test_bad_input import MEMORY, broken_copy
+from test_bad_input import MEMORY, TORCH_SET_WRONG, broken_copy
 from test_cuts import cut
 
 SCRIPT = "unet3d_apex.py"
@@ -316,6 +316,9 @@ CASES = {
                     r"remove it$"),
     "a learning rate that makes the loss NaN": (1, lambda d, t: [d, "--lr", "1e30"],
                                                 r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
+    "a variable torch reads set to a value it does not take": (1, lambda d, t: [d], r"^error: cannot import torch "
+                                                               r"\(.*\): fix or unset the variable torch reads that "
+                                                               r"holds it \(.*TORCH_COMPILE_DEBUG", TORCH_SET_WRONG),
 }
 
 
@@ -347,9 +350,11 @@ def test_a_reader_installed_but_broken_is_needed_by_its_volumes_only(npy_data, t
 
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_gets_one_clear_line(name, npy_data, tmp_path):
-    processes, make_args, expected = CASES[name]
+    processes, make_args, expected, *env = CASES[name]
     args = [*TINY, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(npy_data, tmp_path)]
-    job = (python(SCRIPT, *args) if processes == 1 else torchrun(SCRIPT, processes, *args)).finish(timeout=120)
+    env = env[0] if env else None
+    job = (python(SCRIPT, *args, env=env) if processes == 1 else torchrun(SCRIPT, processes, *args, env=env)
+           ).finish(timeout=120)
     errors = [line for line in job.output.splitlines() if line.startswith("error: ")]
     assert job.returncode != 0, job.output
     assert len(errors) == 1 and re.search(expected, errors[0]), job.output
