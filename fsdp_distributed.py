@@ -59,13 +59,13 @@ import threading  # [logs]
 import time
 import traceback  # [safety]
 
-# torch missing, a torchvision for another torch (no torchvision::nms), TORCH_LOGS=bogus: ValueError, Ctrl-C  # [safety]
+# torch missing, a torchvision for another torch (no torchvision::nms), TORCH_LOGS=bogus, a cache folder  # [safety]
 try:  # [safety]
     import torchvision  # [safety]
 except Exception as e:  # [safety]
-    named = ", ".join(v for v in os.environ if "TORCH" in v and not v.startswith("TORCHELASTIC"))  # [safety]
-    fix = (f"fix or unset the variable torch reads that holds it ({named})" if isinstance(e, ValueError)  # [safety]
-           else "install torch and the torchvision made for it (pip install -U torch torchvision)")  # [safety]
+    fix = "install torch and the torchvision made for it (pip install -U torch torchvision)"  # [safety]
+    if isinstance(e, ValueError) or getattr(e, "filename", None):  # [safety]
+        fix = "fix what it names: a TORCH variable (env | grep TORCH), or TORCHINDUCTOR_CACHE_DIR"  # [safety]
     print(f"error: cannot import torchvision ({' '.join(str(e).split())[:200]}): {fix}", file=sys.stderr)  # [safety]
     sys.exit(2)  # [safety]
 except KeyboardInterrupt:  # [safety]
@@ -1077,7 +1077,7 @@ def warmup_or_cosine(step, steps_per_epoch, args):
     """lr_factor during --warmup-epochs (linear, from 0), and after them for --lr-schedule cosine."""
     epoch = step / steps_per_epoch
     if epoch < args.warmup_epochs:
-        return (step + 1) / (args.warmup_epochs * steps_per_epoch)
+        return min((step + 1) / (args.warmup_epochs * steps_per_epoch), 1.0)  # (a warmup shorter than a step)
     progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
     return 0.5 * (1 + math.cos(math.pi * progress))
 # endregion [lr-schedule]
@@ -1683,7 +1683,7 @@ def check_torchrun():
     given = {name: os.environ.get(name, default) for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"),
              ("WORLD_SIZE", "1"), ("MASTER_PORT", "1"), ("TORCHELASTIC_MAX_RESTARTS", "0"))}
     if not (all(v.isdigit() for v in given.values()) and int(given["RANK"]) < int(given["WORLD_SIZE"])
-            and int(given["MASTER_PORT"]) < 2**16):
+            and 0 < int(given["MASTER_PORT"]) < 2**16):  # (port 0: each rank would listen on a port of its own)
         shown = ", ".join(f"{name}={value!r}" for name, value in given.items() if name in os.environ)
         raise RankError(f"torchrun's variables are not numbers that fit together ({shown}): start the script with "
                         f"torchrun, or unset them to run one process")
@@ -1836,7 +1836,7 @@ def check_run(args, world_size, device, sets):
     if len(train_set) < args.batch_size and not (args.evaluate or getattr(args, "benchmark", 0)):  # neither trains
         raise UserError(f"{len(train_set)} training samples are fewer than one global batch of {args.batch_size}: "
                         f"lower -b")
-    order = len(train_set) * 44  # an epoch's order: randperm's int64 tensor, then a list of Python ints
+    order = len(train_set) * 145  # an epoch's order at its peak, measured: randperm, a list of ints, of pairs
     if order > MEMORY:
         raise UserError(f"{len(train_set)} training samples: an epoch's order of them, a list in memory, takes "
                         f"{order / 2**30:.0f} GiB, more than this machine's {MEMORY / 2**30:.0f} GiB: give a smaller "
@@ -1889,7 +1889,8 @@ def check_datasets(sets, args):
         own = None
     num_classes = args.num_classes or own
     if not isinstance(num_classes, int) or num_classes < 1:
-        raise UserError(f"{source}: its train set has no number of classes: give --num-classes N, or the set an "
+        said = "" if own is None or isinstance(own, int) else f" ({own!r} is no Python int)"  # numpy's: int() it
+        raise UserError(f"{source}: its train set has no number of classes{said}: give --num-classes N, or the set an "
                         f"attribute num_classes = N (or classes, a list of N names), labels being 0 to N-1")
     if num_classes == 1:  # the loss is 0 from the first step: nothing to learn
         raise UserError(f"{source}: its train set has 1 class, and a classifier needs 2 or more: give it the other "
@@ -1902,9 +1903,10 @@ def check_datasets(sets, args):
     except (TypeError, ValueError, RuntimeError):  # None, strings
         mean_std = []
     if mean_std is not None and not (mean_std and mean_std[0].ndim == 1 and mean_std[0].shape == mean_std[1].shape
-                                     and mean_std[0].isfinite().all() and (mean_std[1] > 0).all()):
+                                     and (0 <= mean_std[0]).all() and (mean_std[0] <= 1).all()
+                                     and (0 < mean_std[1]).all() and (mean_std[1] <= 1).all()):
         raise UserError(f"{source}: its train set's mean {mean!r} and std {std!r} need one number per channel each, "
-                        f"every std above 0")
+                        f"in 0-1 units (0-255 ones divided by 255), every std above 0")
     channels = tuple(NORMALIZE) if mean is None else (len(mean_std[0]),)
     inputs = {}
     for split, data in zip(("train", "val"), sets):
@@ -1966,12 +1968,13 @@ def check_model(args, num_classes=1000, example=None):
                 raise
 
     def failure(size=None, train=True):
-        """Why a training (or evaluation) forward pass of 2 inputs (images of size x size) fails; None if it works, or
-        may work."""
+        """Why a training forward pass of 2 inputs (images of size x size), or an evaluation one of 1 (evaluation's
+        last batch may hold one), fails; None if it works, or may work."""
         model.train(train)
+        batch = 2 if train else 1
         try:
             with Calls() as calls, torch.device("meta"):
-                output = model(torch.empty(2, *(shape if size is None else (3, size, size)), dtype=dtype))
+                output = model(torch.empty(batch, *(shape if size is None else (3, size, size)), dtype=dtype))
         except NotImplementedError:  # an operation the meta device lacks: no verdict
             return None
         except Exception as e:
@@ -1983,7 +1986,8 @@ def check_model(args, num_classes=1000, example=None):
         if train and not output.requires_grad:  # backward() would find no graph
             return "its logits have no gradient (a forward under torch.no_grad(), or .detach()): return them with it"
         wide = "x".join(map(str, output.shape)) or "a scalar"
-        return None if tuple(output.shape) == (2, num_classes) else f"its logits are {wide}, not 2x{num_classes}"
+        expected = f"{batch}x{num_classes}"
+        return None if wide == expected else f"its logits are {wide}, not {expected}"
 
     if not any(p.requires_grad for p in model.parameters()):  # DDP and backward() would fail at the first step
         raise UserError(f"--arch {args.arch} has no parameters to train (none, or all with requires_grad=False): "
@@ -1998,8 +2002,8 @@ def check_model(args, num_classes=1000, example=None):
     if reason is None:  # and the evaluation that ends the first epoch, in eval mode
         evaluated = failure(train=False)
         if evaluated:
-            raise UserError(f"--arch {args.arch} in eval mode (model.eval(), as evaluation runs it): {evaluated}; "
-                            f"return the logits it returns in training")
+            raise UserError(f"--arch {args.arch} in eval mode (model.eval(), as evaluation runs it, on batches down to "
+                            f"1 sample): {evaluated}; return the logits it returns in training, batch x classes")
         return model
     if not (image and known):
         hint = (f"; images reach it at --crop-size {args.crop_size}: give the size it takes" if image else "")
@@ -2285,6 +2289,11 @@ def check_items(samples, num_classes):
     if bad:
         raise RankError(f"a label is {bad[0]!r}; with {num_classes} classes (--num-classes, or the data's count) "
                         f"labels are integers from 0 to {num_classes - 1}: fix the data, or give --num-classes")
+    try:
+        default_collate([label for _, label in samples])
+    except Exception as e:  # each label fits alone, and not together: a tensor, then Python ints
+        raise RankError(f"the data's labels cannot make one batch ({e}): give every label one type, Python ints or "
+                        f"integer tensors of shape ()") from None
 
 
 def label_fits(label, num_classes):
@@ -2293,7 +2302,7 @@ def label_fits(label, num_classes):
     try:
         target = default_collate([label])
         torch.iinfo(target.dtype)  # an integer dtype: not bool
-    except (TypeError, AttributeError):  # None, a float, a bool, a string (a list of it then)
+    except Exception:  # None, a float, a bool, a string (a list of it then), an int beyond int64
         return False
     return target.shape == (1,) and 0 <= int(target) < num_classes
 

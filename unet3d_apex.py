@@ -56,15 +56,13 @@ import time
 import traceback  # [safety]
 
 import numpy as np
-# torch missing, a variable that torch reads as it loads set to a value it does not take (a ValueError:  # [safety]
-# TORCH_LOGS=bogus), Ctrl-C: one line, or exit 130 as main does, without a traceback  # [safety]
+# torch missing, TORCH_LOGS=bogus, a cache folder it cannot make: one line; Ctrl-C: exit 130 as main does  # [safety]
 try:  # [safety]
     import torch._dynamo  # [safety]
 except Exception as e:  # [safety]
     fix = "install torch, the build for your CUDA driver (pip install -U torch)"  # [safety]
-    if isinstance(e, ValueError):  # [safety]
-        named = ", ".join(v for v in os.environ if "TORCH" in v and not v.startswith("TORCHELASTIC"))  # [safety]
-        fix = f"fix or unset the variable torch reads that holds it ({named})"  # [safety]
+    if isinstance(e, ValueError) or getattr(e, "filename", None):  # [safety]
+        fix = "fix what it names: a TORCH variable (env | grep TORCH), or TORCHINDUCTOR_CACHE_DIR"  # [safety]
     print(f"error: cannot import torch ({' '.join(str(e).split())[:200]}): {fix}", file=sys.stderr)  # [safety]
     sys.exit(2)  # [safety]
 except KeyboardInterrupt:  # [safety]
@@ -1134,7 +1132,7 @@ def check_torchrun():
     given = {name: os.environ.get(name, default) for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"),
              ("WORLD_SIZE", "1"), ("MASTER_PORT", "1"), ("TORCHELASTIC_MAX_RESTARTS", "0"))}
     if not (all(v.isdigit() for v in given.values()) and int(given["RANK"]) < int(given["WORLD_SIZE"])
-            and int(given["MASTER_PORT"]) < 2**16):
+            and 0 < int(given["MASTER_PORT"]) < 2**16):  # (port 0: each rank would listen on a port of its own)
         shown = ", ".join(f"{name}={value!r}" for name, value in given.items() if name in os.environ)
         raise RankError(f"torchrun's variables are not numbers that fit together ({shown}): start the script with "
                         f"torchrun, or unset them to run one process")

@@ -115,7 +115,10 @@ def blocked_output_dir(tmp_path, folder_for="tb"):
 
 
 TRAINING_STATE = {"epoch": 1, "scheduler": {}, "scaler": {}, "best_acc1": 0.0, "args": {}}
-TORCH_SET_WRONG = {"TORCH_COMPILE_DEBUG": "abc"}
+TORCH_SET_WRONG, TORCH_CACHE_IN_A_FILE = {"TORCH_COMPILE_DEBUG": "abc"}, {"TORCHINDUCTOR_CACHE_DIR": "/dev/null/c"}
+TORCH_AT_FAULT = (r"^error: cannot import torch(vision)? \((invalid literal for int\(\) with base 10: 'abc'|"
+                  r"\[Errno 20\] Not a directory: '/dev/null/c')\): fix what it names: a TORCH variable \(env \| "
+                  r"grep TORCH\), or TORCHINDUCTOR_CACHE_DIR$")
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
@@ -311,6 +314,9 @@ CASES = {
                                                              r"together \(RANK='0', LOCAL_RANK='x', WORLD_SIZE='1', "
                                                              r"MASTER_PORT='29500'\)",
                                          {**TORCHRUN_ENV, "LOCAL_RANK": "x"}),
+    "torchrun's port 0": (1, lambda d, t: [d], r"torchrun's variables are not numbers that fit together \(.*"
+                                               r"MASTER_PORT='0'\)",
+                          {**TORCHRUN_ENV, "LOCAL_RANK": "0", "MASTER_PORT": "0"}),
     "torchrun's rank past its world": (1, lambda d, t: [d], r"torchrun's variables are not numbers that fit together "
                                                            r"\(RANK='3', LOCAL_RANK='0', WORLD_SIZE='1'",
                                        {**TORCHRUN_ENV, "RANK": "3", "LOCAL_RANK": "0"}),
@@ -339,10 +345,9 @@ CASES = {
                                         r"cannot load pretrained weights .*resnet18-.*\.pth.*"
                                         r"put the file into /nonexistent/hub/checkpoints/$",
                                         {"TORCH_HOME": "/nonexistent"}),
-    # torch reads it as it loads, and a ValueError there named the install as the cause; this one's names no variable
-    "a variable torch reads set to a value it does not take": (
-        1, lambda d, t: [d], r"cannot import torchvision \(invalid literal for int\(\) with base 10: 'abc'\): fix or "
-                             r"unset the variable torch reads that holds it \(.*TORCH_COMPILE_DEBUG", TORCH_SET_WRONG),
+    # torch reads the one and makes the other as it loads: the line blamed the install (the first names no variable)
+    "a variable torch reads set to a value it does not take": (1, lambda d, t: [d], TORCH_AT_FAULT, TORCH_SET_WRONG),
+    "a cache folder torch cannot make": (1, lambda d, t: [d], TORCH_AT_FAULT, TORCH_CACHE_IN_A_FILE),
 }
 
 
@@ -436,13 +441,17 @@ def test_spawn_rendezvous_port_already_in_use(image_data, tmp_path):
                                r"in use\); another job may use it: choose a free port")
 
 
-@pytest.mark.parametrize("url, expected", [
-    ("tcp://127.0.0.1:99999", r"give tcp://HOST:PORT, HOST being node 0's address, PORT a number below 65536"),
-    ("tcp://no.such.host.invalid:29500", r"no.such.host.invalid does not resolve \(.*\): give the address of the node "
-                                         r"of rank 0")])
-def test_spawn_dist_url_that_cannot_be_met_at_is_one_clear_line(url, expected, image_data, tmp_path):
-    """A port past 65535 was a traceback; a host that does not resolve, a wait until --dist-timeout (30 minutes)."""
-    job = spawn(SPAWN, 2, image_data, *FAST, "--dist-url", url, "--output-dir", tmp_path).finish(60)
+@pytest.mark.parametrize("url, nodes, expected", [
+    ("tcp://127.0.0.1:99999", 1, r"give tcp://HOST:PORT, HOST being node 0's address, PORT a number below 65536"),
+    ("tcp://127.0.0.1:0", 2, r"port 0 is a free port of this node's, and the 2 nodes meet at one port: give PORT "
+                             r"from 1 to 65535$"),
+    ("tcp://no.such.host.invalid:29500", 1, r"no.such.host.invalid does not resolve \(.*\): give the address of the "
+                                            r"node of rank 0")])
+def test_spawn_dist_url_that_cannot_be_met_at_is_one_clear_line(url, nodes, expected, image_data, tmp_path):
+    """A port past 65535 was a traceback; a host that does not resolve, a wait until --dist-timeout (30 minutes), as
+    was port 0 on several nodes (each listened on a free port of its own)."""
+    job = spawn(SPAWN, 2, image_data, *FAST, "--dist-url", url, "--world-size", nodes, "--output-dir", tmp_path
+                ).finish(60)
     assert_one_clear_line(job, rf"--dist-url {re.escape(url)}: {expected}")
 
 

@@ -312,9 +312,11 @@ A_TASK = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLUR
           "SLURM_NODEID": "0"}
 
 
-@pytest.mark.parametrize("wrong", [{"SLURM_PROCID": "2"}, {"SLURM_LOCALID": "-1"}, {"SLURM_NTASKS": "two"}])
+@pytest.mark.parametrize("wrong", [{"SLURM_PROCID": "2"}, {"SLURM_LOCALID": "-1"}, {"SLURM_NTASKS": "two"},
+                                   {"MASTER_PORT": "0"}])
 def test_slurm_variables_that_are_no_numbers_that_fit_are_one_clear_line(wrong, image_data, tmp_path):
-    """A whole task's variables with a rank past the job's tasks, or not numbers: set by hand or by a wrapper."""
+    """A whole task's variables with a rank past the job's tasks, or not numbers: set by hand or by a wrapper. Port 0
+    is a free port of each node's own: every task waited out --dist-timeout."""
     job = python(SCRIPT, image_data, "--epochs", "1", "--output-dir", tmp_path, env={**A_TASK, **wrong}).finish(60)
     name, value = next(iter(wrong.items()))
     assert job.returncode == 2 and re.match(

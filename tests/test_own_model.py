@@ -274,6 +274,17 @@ def eval_pair(num_classes):
     return EvalPair(num_classes)
 
 
+class SqueezedMLP(MLP):
+    """Logits of a batch of 1 squeezed to a vector (.squeeze(), a common slip)."""
+
+    def forward(self, x):
+        return super().forward(x).squeeze(0)
+
+
+def squeezed_mlp(num_classes):
+    return SqueezedMLP(num_classes)
+
+
 class LogMLP(MLP):
     """The logarithm of its logits: NaN from its first forward pass on, before any update."""
 
@@ -378,6 +389,36 @@ def half_label(args):
     return HalfLabel(192, 0), Table(40, 1)
 
 
+class HugeLabel(Table):
+    """Row 5 of the training set labelled 2**70, past int64."""
+
+    def __getitem__(self, index):
+        row, label = super().__getitem__(index)
+        return row, (2**70 if index == 5 else label)
+
+
+def huge_label(args):
+    return HugeLabel(192, 0), Table(40, 1)
+
+
+class MixedLabels(Table):
+    """Labels that fit one by one, and cannot batch together: a tensor first, then Python ints."""
+
+    def __getitem__(self, index):
+        row, label = super().__getitem__(index)
+        return row, (torch.tensor(label) if index % 2 == 0 else label)
+
+
+def mixed_labels(args):
+    return MixedLabels(192, 0), Table(40, 1)
+
+
+def bytes_as_mean(args):  # 0-255 units: the Prefetcher scales them again
+    train, val = gray(args)
+    train.mean, train.std = (115.0,), (64.0,)
+    return train, val
+
+
 class Projected(Table):
     """Rows through a layer, outside torch.no_grad(): they carry its graph."""
 
@@ -397,6 +438,12 @@ def projected(args):
 def no_classes(args):
     train, val = table(args)
     del train.num_classes
+    return train, val
+
+
+def numpy_classes(args):  # labels.max() + 1, say
+    train, val = table(args)
+    train.num_classes = np.int64(3)
     return train, val
 
 
@@ -688,7 +735,10 @@ BAD = {
                      r"v2.functional.pil_to_tensor\(image\)\)$"),
     "a mean and std that are no numbers": (["--dataset", "mine:words_as_mean", "-a", "mine:mlp"],
                                            r"its train set's mean '0.5' and std '0.2' need one number per channel "
-                                           r"each, every std above 0"),
+                                           r"each, in 0-1 units \(0-255 ones divided by 255\), every std above 0"),
+    "a mean and std in 0-255 units": (["--dataset", "mine:bytes_as_mean", "-a", "mine:mlp"],
+                                      r"its train set's mean \(115.0,\) and std \(64.0,\) need one number per channel "
+                                      r"each, in 0-1 units"),
     "a model with nothing to train": (["--dataset", "mine:table", "-a", "mine:frozen_mlp"],
                                       r"--arch mine:frozen_mlp has no parameters to train \(none, or all with "
                                       r"requires_grad=False\)"),
@@ -709,8 +759,11 @@ BAD = {
                                       r", which neither the fused optimizers nor FSDP take: make them dense"),
     "a model that returns no logits in eval mode": (["--dataset", "mine:table", "-a", "mine:eval_pair"],
                                                     r"--arch mine:eval_pair in eval mode \(model.eval\(\), as "
-                                                    r"evaluation runs it\): it returns tuple, not logits; return the "
-                                                    r"logits it returns in training"),
+                                                    r"evaluation runs it, on batches down to 1 sample\): it returns "
+                                                    r"tuple, not logits; return the logits it returns in training"),
+    "a model that squeezes a batch of 1": (["--dataset", "mine:table", "-a", "mine:squeezed_mlp"],
+                                           r"--arch mine:squeezed_mlp in eval mode .*: its logits are 3, not 1x3; "
+                                           r"return the logits it returns in training, batch x classes$"),
     "a model whose logits are integers": (["--dataset", "mine:table", "-a", "mine:int_mlp"],
                                           r"--arch mine:int_mlp does not take the data's inputs \(20 float32\): its "
                                           r"logits are int64, not floating point$"),
@@ -731,6 +784,11 @@ BAD = {
     "a fraction as a training label": (["--dataset", "mine:half_label", "-a", "mine:mlp"],
                                        r"a label is 1.5; with 3 classes \(--num-classes, or the data's count\) labels "
                                        r"are integers from 0 to 2"),
+    "a training label past int64": (["--dataset", "mine:huge_label", "-a", "mine:mlp"],
+                                    r"a label is 1180591620717411303424; with 3 classes"),
+    "training labels of two types": (["--dataset", "mine:mixed_labels", "-a", "mine:mlp"],
+                                     r"the data's labels cannot make one batch \(.*\): give every label one type, "
+                                     r"Python ints or integer tensors of shape \(\)$"),
     "inputs that require grad": (["--dataset", "mine:projected", "-a", "mine:mlp"],
                                  r"the data's inputs require grad \(made by a module, or requires_grad=True\): make "
                                  r"them under torch.no_grad\(\), or .detach\(\) them$"),
@@ -741,6 +799,9 @@ BAD = {
                                  r"a label is tensor\(\[0\]\); labels are integers from 0 to num_classes - 1"),
     "no number of classes": (["--dataset", "mine:no_classes", "-a", "mine:mlp"],
                              r"its train set has no number of classes: give --num-classes N, or the set an attribute"),
+    "a number of classes that is no int": (["--dataset", "mine:numpy_classes", "-a", "mine:mlp"],
+                                           r"its train set has no number of classes \(np.int64\(3\) is no Python "
+                                           r"int\): give --num-classes N"),
     "fewer classes than the data's": (["--dataset", "mine:table", "-a", "mine:mlp", "--num-classes", "2"],
                                       r"--num-classes 2, but --dataset mine:table's train set has 3 classes"),
     "a label past the class count": (["--dataset", "mine:tensors", "-a", "mine:mlp", "--num-classes", "2"],

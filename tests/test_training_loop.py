@@ -279,9 +279,12 @@ def test_flags_that_need_another_are_one_clear_line():
 ], ids=["step", "cosine", "warmup-step", "warmup-cosine"])
 def test_the_learning_rate_follows_its_schedule_at_every_step(flags, expected):
     """lr_factor over 10 epochs of 4 steps: step decay, a cosine from 1 to 0 after the warm-up, a linear warm-up
-    from 1/8 to 1 over 2 epochs; and a warm-up of 0.3 epochs (0.3 * 10 steps, which floats round up) ends at step 3."""
+    from 1/8 to 1 over 2 epochs; and a warm-up of 0.3 epochs (0.3 * 10 steps, which floats round up) ends at step 3,
+    one shorter than a step at the first (it went above --lr: 25 times, for 0.01 epochs of 4 steps)."""
     module = import_script(SCRIPT)
     args = module.parse_args(["--epochs", "10", "--lr-step", "3", *flags])
     assert [module.lr_factor(step, 4, args) for step in range(40)] == pytest.approx([expected(s) for s in range(40)])
     short = module.parse_args([*flags, "--warmup-epochs", "0.3"])
     assert [module.lr_factor(step, 10, short) for step in (2, 3)] == pytest.approx([1.0, 1.0])
+    shorter = module.parse_args([*flags, "--warmup-epochs", "0.01"])  # shorter than a step: --lr, not 25 x --lr
+    assert module.lr_factor(0, 4, shorter) == 1.0
