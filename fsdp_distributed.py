@@ -2329,6 +2329,9 @@ def explain_failure(error, args):
     DataLoader worker killed, NCCL failing here; any other error stays itself, traceback and all."""
     if isinstance(error, UserError):
         return error
+    if isinstance(error, UnicodeEncodeError) and "surrogates not allowed" in str(error):  # bytes from argv, a path
+        return UserError(f"a path holds bytes this locale cannot decode ({error}): set PYTHONUTF8=1 or a UTF-8 locale "
+                         f"(LANG=C.UTF-8), or use ASCII paths")
     if "Too many open files" in str(error):  # an OSError's (EMFILE), or the DataLoader's on receiving a batch
         return RankError("this process has reached its limit of open files (ulimit -n): raise it where the job starts "
                          "(ulimit -n 65536), or use fewer -j/--workers")

@@ -348,6 +348,12 @@ CASES = {
     # torch reads the one and makes the other as it loads: the line blamed the install (the first names no variable)
     "a variable torch reads set to a value it does not take": (1, lambda d, t: [d], TORCH_AT_FAULT, TORCH_SET_WRONG),
     "a cache folder torch cannot make": (1, lambda d, t: [d], TORCH_AT_FAULT, TORCH_CACHE_IN_A_FILE),
+    # Python decodes such a path with surrogates, which TensorBoard's writer cannot encode: a traceback
+    "a non-ASCII output folder where the locale is not UTF-8": (1, lambda d, t: [d, "--output-dir", t / "out_ü"],
+                                                                r"a path holds bytes this locale cannot decode \(.*"
+                                                                r"surrogates not allowed\): set PYTHONUTF8=1 or a "
+                                                                r"UTF-8 locale \(LANG=C.UTF-8\), or use ASCII paths$",
+                                                                {"LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0"}),
 }
 
 
