@@ -409,6 +409,7 @@ def supervise(workers):
             pass
         return 0
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C pressed again cannot cut the wait for the workers short
         forward(signal.SIGINT, None)
         for p in workers.processes:
             p.join(10)

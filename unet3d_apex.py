@@ -1291,7 +1291,8 @@ def check_labels(volumes, rank, world_size):
 
 def explain_unreadable_volume(read_volume):
     """read_volume, with what it cannot read said in one line: a reader that is missing (tifffile, nibabel), a file
-    it cannot read (said by the rank that reads it), values that are no intensities, or NaN and inf."""
+    it cannot read (said by the rank that reads it), values that are no intensities, NaN and inf, or values so large
+    that standardizing them overflows."""
     @functools.wraps(read_volume)
     def checked(path, shape_only=False):
         ext = split_name(path)[1]
@@ -1311,6 +1312,10 @@ def explain_unreadable_volume(read_volume):
                             f"convert it")
         if not shape_only and array.dtype.kind == "f" and not np.isfinite(array).all():
             raise RankError(f"{path} holds NaN or inf values: replace them (numpy.nan_to_num), or remove it")
+        peak = max(abs(float(array.max())), abs(float(array.min()))) if not shape_only and array.size else 0.0
+        if peak > min(1e19, 1e38 / max(array.size, 1)):  # its sum or its squares pass float32's 3.4e38: NaN, silently
+            raise RankError(f"{path} holds values up to {peak:.3g}, too large to standardize in float32: rescale the "
+                            f"volume")
         return array
     return checked
 

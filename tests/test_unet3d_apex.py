@@ -314,6 +314,11 @@ CASES = {
                                                                         nan_volume()))],
                     r"^error: .*train/images/vol0.npy holds NaN or inf values: replace them \(numpy.nan_to_num\), or "
                     r"remove it$"),
+    # finite, and past float32's range once summed: NaN after standardizing, a val dice of 0 and exit 0 in silence
+    "a validation volume too large to standardize": (1, lambda d, t: [broken_copy(d, t, lambda x: replace(
+        x / "val" / "images" / "vol0.npy", np.full(np.load(x / "val" / "images" / "vol0.npy").shape, 3e37, "f4")))],
+        r"^error: .*val/images/vol0.npy holds values up to 3e\+37, too large to standardize in float32: rescale the "
+        r"volume$"),
     "a learning rate that makes the loss NaN": (1, lambda d, t: [d, "--lr", "1e30"],
                                                 r"loss became NaN/inf at epoch 0 step \d+; stopped without saving it"),
     "a variable torch reads set to a value it does not take": (1, lambda d, t: [d], TORCH_AT_FAULT, TORCH_SET_WRONG),
