@@ -1307,12 +1307,14 @@ def explain_unreadable_volume(read_volume):
         except Exception as e:  # truncated, corrupt, not what its name says: all mean the same to the user
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise RankError(f"cannot read volume {path} ({reason}): replace or remove the file") from None
-        if not shape_only and array.dtype.kind not in "biuf":  # complex, text, dates: no intensities to learn from
+        if shape_only:
+            return array
+        if array.dtype.kind not in "biuf":  # complex, text, dates: no intensities to learn from
             raise RankError(f"{path} holds {array.dtype} values: a volume holds integers, floats or booleans; "
                             f"convert it")
-        if not shape_only and array.dtype.kind == "f" and not np.isfinite(array).all():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise RankError(f"{path} holds NaN or inf values: replace them (numpy.nan_to_num), or remove it")
-        peak = max(abs(float(array.max())), abs(float(array.min()))) if not shape_only and array.size else 0.0
+        peak = max(abs(float(array.max())), abs(float(array.min()))) if array.size else 0.0
         if peak > min(1e19, 1e38 / max(array.size, 1)):  # its sum or its squares pass float32's 3.4e38: NaN, silently
             raise RankError(f"{path} holds values up to {peak:.3g}, too large to standardize in float32: rescale the "
                             f"volume")
