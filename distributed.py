@@ -8,13 +8,10 @@ Slurm, FSDP) is this file with its own launcher part and flags.
     # two nodes (run on each, R = 0 or 1)
     torchrun --nnodes=2 --node-rank=R --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:29400 distributed.py /data/imagenet
-    # CPU demo, no dataset needed (gloo backend)
+    # CPU demo, no dataset needed (gloo backend); without torchrun: one process
     torchrun --standalone --nproc_per_node=2 distributed.py --dummy --crop-size 64 -b 64 --epochs 3
-    # no launcher: one process
-    python distributed.py --dummy
 
-Rank, local rank and world size come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); the deprecated
-torch.distributed.launch's --local-rank=N is accepted. -b is the global batch: each of W processes takes B / W.
+Rank, local rank and world size come from torchrun's environment. -b is the global batch: W processes take B / W each.
 
 Three parts: the lesson every copier keeps (command line; build_model and build_datasets, the two functions to edit;
 the launcher part; main -> main_worker -> train_one_epoch / evaluate; what every run needs), optional features, and
@@ -57,7 +54,7 @@ from torchvision.transforms import v2
 
 
 # =============================================================================================
-# Part 1, the lesson, what every copier keeps: command line, the two seams, launcher part, training flow, needs.
+# Part 1, the lesson every copier keeps: command line, the two seams, launcher part, training flow, what runs need.
 # =============================================================================================
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
@@ -111,27 +108,23 @@ def parse_args(argv=None):
     return args
 
 
-def number(kind, low, high=None):
-    """An argparse type: a `kind` (int or float) from `low` on, below `high` if given (argparse names the flag)."""
+def number(kind, low, high=float("inf")):
+    """An argparse type: a `kind` (int or float) in [low, high); argparse's error line names the flag."""
     def convert(text):
-        value = kind(text)
-        if not (low <= value and (high is None or value < high)):  # (NaN fails both)
-            raise argparse.ArgumentTypeError(f"{text} is out of range: give {kind.__name__} >= {low}"
-                                             + ("" if high is None else f" and < {high}"))
-        return value
+        if not low <= kind(text) < high:  # (NaN is not)
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {kind.__name__} >= {low}, < {high}")
+        return kind(text)
     convert.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
     return convert
 
 
 def build_model(args, num_classes):
-    """Your model (edit this, and build_datasets for your data): an nn.Module from a batch of inputs on the device
-    (images as normalized floats) to num_classes logits."""
+    """Your model (edit this, and build_datasets for your data): from a batch of inputs to num_classes logits."""
     options = {"num_classes": num_classes, **({} if args.dropout is None else {"dropout": args.dropout})}
     if ":" in args.arch:  # [spec]
         return call_spec(args.arch, **options)  # [spec]
     if args.arch in ("googlenet", "inception_v3"):
-        # without their auxiliary classifiers, which training returns too. Their weights expect inputs scaled to
-        # [-1, 1]: always so, that a run resumed or evaluated without --pretrained scales its input alike
+        # no auxiliary classifiers; inputs scaled as their weights expect, pretrained or not (a resume, -e)
         options.update(aux_logits=False, init_weights=True, transform_input=True)
     if args.pretrained and args.arch.startswith("vit_"):  # [pretrained]
         weights = torchvision.models.get_model_weights(args.arch).DEFAULT  # [pretrained]
@@ -143,9 +136,8 @@ def build_model(args, num_classes):
 
 
 def build_datasets(args):
-    """Your data (edit this, and build_model for your model): (train set, val set) of (input, label). A label is an
-    integer from 0 to N-1 (N: --num-classes, or the set's num_classes or len(classes)); an input a uint8 CxHxW image
-    (normalized by the set's mean and std, else ImageNet's), or any other tensor."""
+    """Your data (edit this, and build_model for your model): (train set, val set) of (input, label), labels 0 to N-1
+    (N: --num-classes, or the set's num_classes or len(classes)), inputs uint8 CxHxW images or other tensors."""
     sets = call_spec(args.dataset, args) if args.dataset else None  # [spec]
     args.crop_size = args.crop_size or image_size(sets)  # [spec]
     args.crop_size = args.crop_size or 224
@@ -235,8 +227,7 @@ def setup_precision(model, optimizer, args, device, log):
 
 
 def wrap_model(model, args, device, amp_dtype):
-    """(the model that trains, the model that evaluates). DDP all-reduces the gradients in backward(); evaluation,
-    where ranks may have one batch more or less, must call no collective: it evaluates the plain model."""
+    """(the model that trains: DDP all-reduces its gradients in backward, the model that evaluates: no collective)."""
     if not dist.is_initialized():
         return model, model
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None), model
@@ -257,8 +248,10 @@ def train_step(run, images, target, args):
         loss_sum = loss_sum + loss.detach().float() * target_part.numel()
         outputs.append(output.detach().float())
     if args.clip_grad_norm:  # [clip-grad-norm]
-        clip_gradients(run, args)  # [clip-grad-norm]
-    run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
+        run.scaler.unscale_(run.optimizer)  # [clip-grad-norm]
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]  # [clip-grad-norm]
+        torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)  # [clip-grad-norm]
+    run.scaler.step(run.optimizer)  # unscales the gradients, and skips the step if one is inf/NaN
     run.scaler.update()
     run.scheduler.step()
     if run.ema and run.scheduler.last_epoch % args.model_ema_steps == 0:  # [ema]
@@ -295,9 +288,6 @@ def sync_buffers(model):
             dist.broadcast(buf, 0)
 
 
-# =============================================================================================
-# The training flow: main runs main_worker this launcher's way; the rest is the same text in every ImageNet sibling.
-# =============================================================================================
 def main():
     first_on_node = os.environ.get("LOCAL_RANK", "0") == "0"  # [safety]
     try:
@@ -312,7 +302,7 @@ def main():
 
 
 def main_worker(args, local_index=None):
-    """One training process, from finding its peers to its last checkpoint; returns None, or PREEMPTED if stopped."""
+    """One training process, from finding its peers to its last checkpoint (None: finished)."""
     torch.backends.cudnn.benchmark = True  # cuDNN times its kernels for each new input shape, keeps the fastest
     set_deterministic(args)  # [deterministic]
     rank, local_rank, world_size, device = find_processes(args, local_index)
@@ -335,10 +325,10 @@ def main_worker(args, local_index=None):
     model = build_model(args, args.num_classes)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own dropout draws
     preemption.catch(False)  # [preemption]
-    ctrl_c = signal.getsignal(signal.SIGINT)  # [safety]
-    signal.signal(signal.SIGINT, signal.SIG_IGN if ctrl_c is signal.SIG_IGN else signal.SIG_DFL)  # [safety]
+    ctrl_c = signal.getsignal(signal.SIGINT)  # Ctrl-C ends the rendezvous' wait at once: no Python handler runs there
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ctrl_c is signal.SIG_IGN else signal.SIG_DFL)
     group = start_process_group(args, rank, world_size, device, log)
-    signal.signal(signal.SIGINT, ctrl_c)  # [safety]
+    signal.signal(signal.SIGINT, ctrl_c)
     preemption.group = group  # [preemption]
     preemption.catch(True)  # [preemption]
     check_ranks_agree(args, sets, ckpt)  # [safety]
@@ -346,7 +336,7 @@ def main_worker(args, local_index=None):
     if getattr(train_set, "loader", None) is load_image:  # [fast-decode]
         data += f", JPEGs decoded by {JPEG_DECODER}"  # [fast-decode]
     log(f"{os.path.basename(__file__)}: {describe_processes(args, world_size, device, group)}, {args.arch}, {data}")
-    set_tf32(args, device, log)  # [tf32]
+    set_tf32(args)  # [tf32]
 
     model = prepare_model(model, args, device, log)
     optimizer = build_optimizer(model, args, device, log)
@@ -359,9 +349,8 @@ def main_worker(args, local_index=None):
     run.preemption = preemption  # [preemption]
     if ckpt:
         run.load_state_dict(ckpt, args, rank, world_size)
-        moved = "" if args.evaluate or ckpt.get("world_size") == world_size else (  # a job resized, a node lost
-            f", world size {ckpt.get('world_size')} -> {world_size}: the same samples, fresh random states")
-        log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)}){moved}")
+        log(f"resumed from {ckpt_path} (epoch {ckpt.get('epoch', 0)}, step {ckpt.get('step', 0)}), world size "
+            f"{ckpt.get('world_size')} -> {world_size}")  # a job resized, a node lost: the same samples, new random
         ckpt = None  # all of it is in place now: keep no second copy of the weights
     run.train_model, run.eval_model = wrap_model(model, args, device, amp_dtype)
     if args.compile:  # [compile]
@@ -370,13 +359,9 @@ def main_worker(args, local_index=None):
     if args.benchmark:  # [benchmark]
         return benchmark(run, args, world_size, log, val_set)  # [benchmark]
     if args.evaluate:
-        evaluated = {"val": run.eval_model}
-        if run.ema:  # [ema]
-            evaluated["val ema"] = run.ema.module  # [ema]
-        for name, net in evaluated.items():
-            val = evaluate(net, val_batches, amp_dtype)
-            log(f"{name}: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
-                f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
+        val = evaluate(run.eval_model, val_batches, amp_dtype)
+        log(f"val: loss {val['loss']:.6f} acc1 {val['acc1']:.3f} acc5 {val['acc5']:.3f} "
+            f"(correct1 {val['correct1']}, correct5 {val['correct5']}, images {val['count']})")
         return None
 
     writer = open_writer(args, rank, run.epoch)  # [logs]
@@ -392,8 +377,7 @@ def main_worker(args, local_index=None):
         val = evaluate(run.eval_model, val_batches, amp_dtype)
         if run.ema:  # [ema]
             sync_buffers(run.ema.module)  # [ema]
-            val_ema = evaluate(run.ema.module, val_batches, amp_dtype)  # [ema]
-            val.update({f"{key}_ema": value for key, value in val_ema.items()})  # [ema]
+            val.update({f"{k}_ema": v for k, v in evaluate(run.ema.module, val_batches, amp_dtype).items()})  # [ema]
         is_best = val["acc1"] > run.best_acc1
         run.epoch, run.best_acc1 = epoch + 1, max(run.best_acc1, val["acc1"])
         run.save(args, rank, is_best)
@@ -409,8 +393,6 @@ def main_worker(args, local_index=None):
             + f" | {train['count'] / train_seconds:.0f} img/s")
         if run.preemption.agreed(now=True) and run.epoch < args.epochs:  # [preemption]
             return run.preemption.stop(run, args, rank, log, f"after epoch {epoch}", saved=True)  # [preemption]
-    if run.profiler:  # [profile]
-        run.profiler.stop()  # [profile]
     return None
 
 
@@ -457,14 +439,13 @@ class RunState:
 
 
 def train_one_epoch(run, batches, args, log):
-    """One pass over this rank's share of the data, from step run.step on: the epoch's summary (None: preempted)."""
+    """One pass over this rank's share of the data, from step run.step on: the epoch's summary."""
     run.train_model.train()
-    device = next(run.model.parameters()).device
-    metrics = Metrics(device)
+    metrics = Metrics(next(run.model.parameters()).device)
     steps_per_epoch = run.step + len(batches)
     last_time, last_count = time.monotonic(), 0
     if run.train_sums is not None:  # [preemption]
-        metrics.sums += run.train_sums.to(device)  # [preemption]
+        metrics.sums += run.train_sums.to(metrics.sums.device)  # [preemption]
         last_count = run.train_sums[3].item()  # [preemption]
 
     def report(step):
@@ -505,9 +486,6 @@ def evaluate(model, batches, amp_dtype):
     return metrics.summary()
 
 
-# =============================================================================================
-# What every run needs: loaders, samplers, device batches, metrics, checkpoints; the same text in every script.
-# =============================================================================================
 def join_process_group(args, store, rank, world_size, device):
     """The process group, on a rendezvous store; returns the CPU group the preemption flag is summed over."""
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -550,8 +528,7 @@ def load_image(path):
 
 
 def collate(samples):
-    """The loaders' collate_fn: uint8 images batched in their memory order (channels last, as decode and crop leave
-    them), about 4x cheaper than transposed."""
+    """The loaders' collate_fn: uint8 images batched channels-last, as decode and crop leave them (4x cheaper)."""
     if getattr(samples[0][0], "dtype", None) != torch.uint8:
         return default_collate(samples)
     images, labels = default_collate([(image.permute(1, 2, 0), label) for image, label in samples])
@@ -578,8 +555,8 @@ def build_loaders(args, sets, rank, world_size, device):
 
 
 def fork_loader_workers(*loaders):
-    """Forks the loaders' persistent workers now (idle: drawn from nothing this once), before other threads start
-    (pytorch#130610: a fork can hang on a lock a thread holds). Only the last loader may pin memory (a thread)."""
+    """Forks the loaders' workers now, idle, before other threads start (pytorch#130610: a fork can hang on a lock a
+    thread holds); the last loader alone may pin memory (a thread)."""
     for loader in loaders:
         if loader.num_workers and sys.platform.startswith("linux"):
             loader.multiprocessing_context = "fork"
@@ -591,19 +568,20 @@ def fork_loader_workers(*loaders):
 
 
 class TrainSampler(DistributedSampler):
-    """DistributedSampler of (index, seed) pairs: a sample's augmentation is drawn from its own seed (SeededSamples),
-    whatever the world size or the loader workers; it can start mid-epoch."""
+    """DistributedSampler of (index, seed) pairs: a sample's augmentation comes from its own seed (SeededSamples)."""
 
     def __init__(self, dataset, **kwargs):
         super().__init__(dataset, shuffle=True, drop_last=True, **kwargs)
-        self.start = 0  # samples of this rank's share already trained on in this epoch
+        self.start = 0  # [preemption]
 
     def __iter__(self):
         base = (self.seed * 100_003 + self.epoch) * 1_000_000_007
-        return iter([(i, (base + i) % 2**63) for i in list(super().__iter__())[self.start:]])
+        keys = [(i, (base + i) % 2**63) for i in super().__iter__()]
+        keys = keys[self.start:]  # [preemption]
+        return iter(keys)
 
-    def __len__(self):
-        return max(super().__len__() - self.start, 0)  # a resume point past the end: nothing left of the epoch
+    def __len__(self):  # [preemption]
+        return max(super().__len__() - self.start, 0)  # [preemption]
 
 
 class SeededSamples(Dataset):
@@ -630,7 +608,6 @@ class SyntheticImages(Dataset):
         self.transform, self.offset = transform, offset
         g = torch.Generator().manual_seed(12345)
         self.colours = torch.rand(num_classes, 3, 1, 1, generator=g) * 160 + 48
-        self.classes = [f"class{k}" for k in range(num_classes)]
 
     def __len__(self):
         return self.size
@@ -645,8 +622,7 @@ class SyntheticImages(Dataset):
 
 
 class DeviceBatches:
-    """A loader's batches on the device (copied from pinned memory without waiting), 4-D inputs in the model's memory
-    format; uint8 images become floats there, normalized by `normalize`'s (mean, std) for their channels."""
+    """A loader's batches on the device (no wait), uint8 images made floats there, normalized by `normalize`."""
 
     def __init__(self, loader, device, channels_last, normalize):
         self.loader, self.device = loader, device
@@ -659,11 +635,10 @@ class DeviceBatches:
 
     def __iter__(self):
         for images, target in self.loader:
-            image = images.dtype == torch.uint8
             images = images.to(self.device, non_blocking=True)
             target = target.to(self.device, non_blocking=True).long()  # any integer labels: cross_entropy's int64
             images = images.contiguous(memory_format=self.memory_format) if images.dim() == 4 else images
-            if image:
+            if images.dtype == torch.uint8:
                 mean, std = self.normalize.get(images.shape[1], (0, 255))  # other channel counts: 0-1
                 images = images.float().sub_(mean).div_(std)
             yield images, target
@@ -737,9 +712,7 @@ def save_checkpoint(state, is_best, output_dir):
 def resume_path(args):
     """The checkpoint to resume, or None; --resume auto: --output-dir's if anything is there (a broken link stops)."""
     path = os.path.join(args.output_dir, CHECKPOINT) if args.resume == "auto" else args.resume
-    if args.resume == "auto" and not os.path.lexists(path):
-        return None
-    return path or None
+    return path if path and (args.resume != "auto" or os.path.lexists(path)) else None
 
 
 def read_checkpoint(path):
@@ -751,14 +724,10 @@ def read_checkpoint(path):
 # =============================================================================================
 # Part 2, features: a block each, for the flags its first line names. Keep what you use, delete the rest by markers.
 # =============================================================================================
-
-
 # region [ema]: --model-ema, --model-ema-decay, --model-ema-steps: an average of the weights, evaluated too
 def average_model(model, args):
-    """An exponential moving average of the weights and BatchNorm statistics (use_buffers), updated every
-    --model-ema-steps steps as ema = decay * ema + (1 - decay) * weights; its first update copies the weights. Every
-    rank updates its own from the same all-reduced weights; its statistics become rank 0's (sync_buffers) before it
-    is evaluated and saved."""
+    """An exponential moving average of the weights and BatchNorm statistics, its first update a copy: each rank's from
+    the same weights, its statistics rank 0's (sync_buffers) before it is evaluated and saved."""
     decay = swa_utils.get_ema_multi_avg_fn(args.model_ema_decay)
     return swa_utils.AveragedModel(model, multi_avg_fn=decay, use_buffers=True)
 # endregion [ema]
@@ -798,14 +767,6 @@ def warmup_or_cosine(step, steps_per_epoch, args):
     progress = (epoch - args.warmup_epochs) / max(args.epochs - args.warmup_epochs, 1e-8)
     return 0.5 * (1 + math.cos(math.pi * progress))
 # endregion [lr-schedule]
-# region [clip-grad-norm]: --clip-grad-norm: the gradients' norm capped, on the true (unscaled) gradients
-def clip_gradients(run, args):
-    """Unscales the gradients (GradScaler's step then does not again) and caps their norm at --clip-grad-norm: with
-    FSDP, the norm over all ranks' shards."""
-    run.scaler.unscale_(run.optimizer)
-    params = [p for group in run.optimizer.param_groups for p in group["params"]]
-    torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
-# endregion [clip-grad-norm]
 # region [sync-bn]: --sync-bn: BatchNorm statistics over every process's batch (CUDA only)
 def sync_batchnorm(model, args, device, log):
     """SyncBatchNorm in place of every BatchNorm, with --sync-bn on CUDA; on the CPU the statistics stay per process."""
@@ -817,9 +778,9 @@ def sync_batchnorm(model, args, device, log):
 # endregion [sync-bn]
 # region [profile]: --profile, --profile-all-ranks: where the step time goes
 def start_profiler(args, rank, device, log):
-    """--profile STEPS: torch.profiler over STEPS training steps after two (cuDNN's autotuning, a warm-up): a trace per
-    rank in <output-dir>/profile (Perfetto and TensorBoard open it; HolisticTraceAnalysis measures how far
-    communication overlaps computation), and the operators that took the most time in rank 0's log."""
+    """--profile STEPS: torch.profiler over training steps 3 to STEPS + 2 (no autotuning, warm), a trace per rank in
+    <output-dir>/profile (Perfetto, TensorBoard; HolisticTraceAnalysis: how far communication overlaps computation),
+    and the operators that took the most time in rank 0's log."""
     if not args.profile:
         return None
     cuda = device.type == "cuda"
@@ -850,8 +811,6 @@ def benchmark(run, args, world_size, log, val_set):
         train = train_one_epoch(run, [batch] * steps, args, log)
         if train is None:
             return None
-    if run.profiler:  # [profile]
-        run.profiler.stop()  # [profile]
     log(f"benchmark: {train['count'] / (time.monotonic() - started):.0f} img/s over {steps} steps, {world_size} "
         f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, autocast {autocast}; "
         f"{memory_use(run, device)}")
@@ -891,8 +850,7 @@ class Preemption:
         self.catch(True)
 
     def catch(self, on):
-        """Stop requests set the flag; not on (while the rendezvous waits, where no handler runs): SIGTERM and SIGHUP
-        end the process at once."""
+        """Stop requests set the flag; not on (in the rendezvous, where no handler runs): SIGTERM, SIGHUP end it."""
         for sig in self.signals:
             signal.signal(sig, self._handler if on or sig == signal.SIGUSR1 else signal.SIG_DFL)
 
@@ -937,9 +895,8 @@ def start_loader_worker(worker_id):
 
 
 def die_with_parent(signum):
-    """`signum` for this process once its parent is gone (prctl PR_SET_PDEATHSIG), now if it is gone already: a
-    launcher killed with -9 leaves no process. SIGTERM (it saves) once the process group is up; SIGKILL before, where
-    the rendezvous would wait --dist-timeout for the store that died with the launcher."""
+    """`signum` once the parent is gone (PR_SET_PDEATHSIG; now, if it is): a launcher killed with -9 leaves no process.
+    SIGTERM (it saves) once the process group is up; SIGKILL in the rendezvous, whose store died with the launcher."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))
         parent = multiprocessing.parent_process()
@@ -966,17 +923,14 @@ def set_deterministic(args):
         torch.backends.cudnn.benchmark = False
 # endregion [deterministic]
 # region [tf32]: --no-tf32: TF32 matmuls and convolutions on Ampere and newer GPUs
-def set_tf32(args, device, log):
+def set_tf32(args):
     """TF32 on Ampere and later: fp32 matmuls and convolutions with a 10-bit mantissa, several times faster; or not."""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not args.no_tf32
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        log(f"TF32: {'off (--no-tf32)' if args.no_tf32 else 'on for fp32 matmuls and convolutions (--no-tf32: off)'}")
 # endregion [tf32]
 # region [compile]: --compile: the model that trains, compiled by torch.compile
 def compile_model(model):
-    """The wrapped model, compiled: DDP's buckets split the graph, so that each all-reduce still overlaps backward.
-    Inductor's own relayout of the graphs DDP splits fails the stride check of a convolution's backward on CUDA
-    (torch 2.11): it stays off."""
+    """The wrapped model, compiled (DDP's buckets split the graph: each all-reduce still overlaps backward). Inductor's
+    relayout of those graphs fails a convolution's backward stride check on CUDA (torch 2.11): it stays off."""
     torch._inductor.config.layout_optimization = False
     return torch.compile(model)
 # endregion [compile]
@@ -985,8 +939,7 @@ try:
     from torchcodec.decoders import decode_jpeg
     JPEG_DECODER = "torchcodec"
 except Exception as e:  # not installed, or its libraries (FFmpeg's, torch's) do not fit
-    why = " ".join(str(e).split())[:300]  # on one line: torchcodec's own runs over many
-    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({why}); pip install torchcodec"
+    decode_jpeg, JPEG_DECODER = None, f"PIL, slower: torchcodec did not load ({' '.join(str(e).split())[:300]})"
 
 
 def decode_file(path):
@@ -994,55 +947,28 @@ def decode_file(path):
     named .JPEG, a file cut short) and where it does not load: PIL decodes those (load_image), to the same pixels."""
     if decode_jpeg is None:
         return None
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:2] != b"\xff\xd8":
-        return None
     with contextlib.suppress(RuntimeError):
-        return decode_jpeg(data)
+        return decode_jpeg(path)
     return None
 # endregion [fast-decode]
 # region [fast-crop]: the training crop in one step, faster than torchvision's v2 transforms
 class RandomResizedCropFlip:
-    """v2.RandomResizedCrop(size) and v2.RandomHorizontalFlip() in one step, drawn alike from torch's RNG in one call.
-    A uint8 tensor is cut channels-last (decode_jpeg's order) and resized by v2's kernel; a PIL image goes through
-    v2.functional. After a decode, v2's machinery costs about as much as the resize (benchmarks/input_pipeline.py)."""
+    """v2.RandomResizedCrop(size) and v2.RandomHorizontalFlip() on a uint8 CxHxW tensor, without v2's machinery, which
+    costs about as much as the resize after a decode (benchmarks/input_pipeline.py): the crop is cut channels-last (the
+    decoder's order) and resized by the antialiased bilinear kernel v2 uses."""
 
-    def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
-        self.size, self.scale, self.ratio = [size, size], scale, ratio
-
-    def params(self, height, width):
-        """(top, left, crop height, crop width, flip) for an image of this size."""
-        u = torch.rand(23).tolist()
-        (smin, smax), (rmin, rmax) = self.scale, self.ratio
-        for k in range(0, 20, 2):
-            area = height * width * (smin + (smax - smin) * u[k])
-            aspect = rmin * (rmax / rmin) ** u[k + 1]
-            w, h = round((area * aspect) ** 0.5), round((area / aspect) ** 0.5)
-            if 0 < w <= width and 0 < h <= height:
-                return int(u[20] * (height - h + 1)), int(u[21] * (width - w + 1)), h, w, u[22] < 0.5
-        w, h = width, height  # v2's fallback: the whole image, trimmed to the nearest allowed aspect ratio
-        if width / height < rmin:
-            h = round(width / rmin)
-        elif width / height > rmax:
-            w = round(height * rmax)
-        return (height - h) // 2, (width - w) // 2, h, w, u[22] < 0.5
+    def __init__(self, size):
+        self.size = [size, size]
 
     def __call__(self, image):
-        fast = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3 and not image.is_cuda
-        top, left, height, width, flip = self.params(*(image.shape[1:] if fast else v2.functional.get_size(image)))
-        if fast:
-            crop = image[:, top:top + height, left:left + width].unsqueeze(0)
-            crop = crop.contiguous(memory_format=torch.channels_last)
-            image = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
-        else:
-            image = v2.functional.resized_crop(image, top, left, height, width, self.size, antialias=True)
-        return v2.functional.horizontal_flip(image) if flip else image
+        top, left, height, width = v2.RandomResizedCrop.get_params(image, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+        crop = image[None, :, top:top + height, left:left + width].contiguous(memory_format=torch.channels_last)
+        crop = F.interpolate(crop, size=self.size, mode="bilinear", antialias=True, align_corners=False)[0]
+        return crop.flip(-1) if torch.rand(()) < 0.5 else crop
 # endregion [fast-crop]
 # region [spec]: --arch and --dataset MODULE:FUNCTION: your own model and data without editing this file
 def call_spec(spec, *args, **kwargs):
-    """What the MODULE:FUNCTION of --arch or --dataset returns, its module imported from the current directory (where
-    `python script.py` does not look) or PYTHONPATH."""
+    """What --arch's or --dataset's MODULE:FUNCTION returns, imported from the current directory or PYTHONPATH."""
     module, _, name = spec.partition(":")
     sys.path.append(os.getcwd())
     return getattr(importlib.import_module(module), name)(*args, **kwargs)
@@ -1078,8 +1004,7 @@ def open_writer(args, rank, epoch):
 
 
 def write_epoch(row, writer, output_dir):
-    """One JSON line per epoch in metrics.jsonl (NaN, inf: null, as strict JSON has them), and the same scalars in
-    TensorBoard."""
+    """One JSON line per epoch in metrics.jsonl (NaN, inf: null, as in strict JSON), and the scalars in TensorBoard."""
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({key: value if abs(value) < float("inf") else None for key, value in row.items()}) + "\n")
     for key, value in row.items():
@@ -1087,14 +1012,10 @@ def write_epoch(row, writer, output_dir):
             writer.add_scalar(key, value, row["epoch"])
     writer.flush()
 # endregion [logs]
-
-
+# region [safety]
 # =============================================================================================
 # Part 3, the safety net: checks before training, failures made one line. Delete its region and lines tagged [safety].
 # =============================================================================================
-
-
-# region [safety]
 class UserError(Exception):
     """Bad input that every rank finds alike: the safety net reports it in one line from one rank, exit code 2."""
 
