@@ -14,14 +14,17 @@ Defaults: resnet50 at 224 px, batch 256, bf16 autocast, channels_last, the first
     ToTensor and Normalize in the workers, default collate, pinned memory, `.to(device,
     non_blocking=True)`, `loss.item()` every step (its AverageMeter), with the same model, batch,
     autocast, channels_last and cudnn autotuning as (b).
-(d) as (b), with --gpu-decode: the loader workers only read the files; the training process decodes
-    them (nvJPEG, a batch per call) and crops them on the GPU. Not run, saying why, where torchcodec does not load.
+(d) decoding on the GPU, which the scripts do not do (they decode in the loader workers): here, on its own, until a
+    GPU shows that it pays. The loader workers only read the files; the training process decodes them (torchcodec:
+    nvJPEG, a batch per call), crops, flips and normalizes them on the GPU, and takes (b)'s step: the same model,
+    fused SGD, autocast, channels_last and cudnn autotuning, no sync per step. Not run, saying why, where torchcodec
+    does not load.
 (b), (c) and (d) run once per --workers count: default every core (os.cpu_count()) and 4, a GPU's share of
 a node short of cores. Each is a fresh process that trains two epochs of -p + --steps steps and times
 the second after its first -p steps: the first epoch takes the warm-up (worker start, cudnn autotuning,
 first reads), and the second starts from empty loader queues, so no batches made ahead during the slow
 first steps inflate the timed ones. (b) is timed from distributed.py's progress lines (each gives img/s
-since the previous one, after a GPU sync), (c) likewise, and (a) times --steps steps after its own
+since the previous one, after a GPU sync), (c) and (d) likewise, and (a) times --steps steps after its own
 warm-up: every run times --steps x batch images. Prints img/s for each, the ratios b/a (target >= 0.9
 with all cores), b/c (target >= 1.3 with 4 workers) and d/b (what decoding on the GPU gains), and the
 machine.
@@ -47,6 +50,7 @@ import torch
 import torchvision
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
+from torchvision.transforms import v2
 
 from input_pipeline import make_jpegs
 
@@ -57,7 +61,7 @@ CLASSES = 10  # distributed.py --benchmark's synthetic data has 10 classes: (b) 
 PROGRESS = re.compile(r"^Epoch (\d+) \[ *(\d+)/(\d+)\] .* (\d+) img/s$", re.M)
 # distributed.py --benchmark's result, e.g.  benchmark: 3012 img/s over 150 steps, 1 processes, ...
 BENCHMARK = re.compile(r"^benchmark: (\d+) img/s over (\d+) steps", re.M)
-EXAMPLES = re.compile(r"^examples-result (\{.*\})$", re.M)
+RESULT = re.compile(r"^run-result (\{.*\})$", re.M)  # (c)'s and (d)'s, each run in a process of its own
 
 
 def parse_args():
@@ -82,6 +86,7 @@ def parse_args():
     p.add_argument("--out", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--timeout", type=float, default=3600, help="seconds a run may take")
     p.add_argument("--examples-run", metavar="DIR", help=argparse.SUPPRESS)  # (c), in a process of its own
+    p.add_argument("--gpu-decode-run", metavar="DIR", help=argparse.SUPPRESS)  # (d), likewise
     args = p.parse_args()
     problems = [f"--{name.replace('_', '-')} must be at least {least}" for name, least in
                 (("steps", 1), ("print_freq", 1), ("batch_size", 1), ("jpegs", 1), ("crop_size", 8))
@@ -157,7 +162,7 @@ def examples_run(args):
     scaler = torch.amp.GradScaler("cuda", enabled=args.amp == "fp16")
     for epoch in range(2):
         result = examples_train(train_loader, model, criterion, optimizer, scaler, amp_dtype, epoch, device, args)
-    print("examples-result " + json.dumps(result), flush=True)
+    print("run-result " + json.dumps(result), flush=True)
 
 
 def examples_train(train_loader, model, criterion, optimizer, scaler, amp_dtype, epoch, device, args):
@@ -191,11 +196,71 @@ def examples_train(train_loader, model, criterion, optimizer, scaler, amp_dtype,
         if i + 1 == args.print_freq:
             synchronize(device)
             timed_from = time.monotonic()
+    return rates(len(train_loader), started, timed_from, device, args)
+
+
+def rates(steps, started, timed_from, device, args):
+    """img/s of an epoch of `steps` steps, timed from a GPU sync after its first -p steps to one after its last (the
+    run's), and over the whole epoch."""
     synchronize(device)
     done = time.monotonic()
-    images = (len(train_loader) - args.print_freq) * args.batch_size
+    images = (steps - args.print_freq) * args.batch_size
     return {"img_per_s": images / (done - timed_from), "images": images,
-            "epoch_img_per_s": len(train_loader) * args.batch_size / (done - started)}
+            "epoch_img_per_s": steps * args.batch_size / (done - started)}
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) decoding on the GPU: the loader workers read the files, the training process decodes and crops them
+# ---------------------------------------------------------------------------------------------
+class FileBytes(datasets.ImageFolder):
+    """An image folder whose samples are their files' bytes (a uint8 tensor each), read in the loader workers."""
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        with open(path, "rb") as f:
+            return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8), label
+
+
+def file_batch(samples):
+    files, labels = zip(*samples)
+    return list(files), torch.tensor(labels)
+
+
+def gpu_decode_run(args):
+    """Two epochs of (b)'s step on batches decoded on the device, a batch per decode call; prints the second's img/s,
+    timed as (c)."""
+    from torchcodec.decoders import decode_jpeg
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cudnn.benchmark = True
+    loader = DataLoader(FileBytes(os.path.join(args.gpu_decode_run, "train")), batch_size=args.batch_size,
+                        shuffle=True, num_workers=args.workers[0], persistent_workers=args.workers[0] > 0,
+                        collate_fn=file_batch, drop_last=True)
+    crop = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in ((0.485, 0.456, 0.406),
+                                                                                  (0.229, 0.224, 0.225)))
+    model = torchvision.models.get_model(args.arch, num_classes=CLASSES)
+    model.to(device, memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=1e-4, fused=True)
+    amp_dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    for _ in range(2):
+        model.train()
+        started = time.monotonic()
+        for i, (files, target) in enumerate(loader):
+            images = torch.stack([crop(image) for image in decode_jpeg(files, device=device)])
+            images = images.contiguous(memory_format=torch.channels_last).float().sub_(mean).div_(std)
+            target = target.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = torch.nn.functional.cross_entropy(model(images), target)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if i + 1 == args.print_freq:
+                synchronize(device)
+                timed_from = time.monotonic()
+        result = rates(len(loader), started, timed_from, device, args)
+    print("run-result " + json.dumps(result), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +348,7 @@ def run_benchmark(args, tmp):
 
 
 def torchcodec_missing():
-    """Why torchcodec's JPEG decoder, which --gpu-decode needs, does not load here; "" when it does."""
+    """Why torchcodec's JPEG decoder, which (d) needs, does not load here; "" when it does."""
     try:
         from torchcodec.decoders import decode_jpeg  # noqa: F401
     except Exception as e:  # not installed, or built for another torch
@@ -291,12 +356,11 @@ def torchcodec_missing():
     return ""
 
 
-def run_distributed(args, data, workers, tmp, *extra):
-    """(b), and (d) with extra ["--gpu-decode"]: two epochs; img/s of the second after its first -p steps, from the
-    progress lines, and of the whole second epoch, from metrics.jsonl."""
-    out_dir = Path(tmp) / f"out-{workers}{''.join(extra)}"
-    out = launch(distributed_cmd(args, data, "-j", workers, "--epochs", 2, "--output-dir", out_dir, *extra),
-                 args.timeout)
+def run_distributed(args, data, workers, tmp):
+    """(b): two epochs; img/s of the second after its first -p steps, from the progress lines, and of the whole second
+    epoch, from metrics.jsonl."""
+    out_dir = Path(tmp) / f"out-{workers}"
+    out = launch(distributed_cmd(args, data, "-j", workers, "--epochs", 2, "--output-dir", out_dir), args.timeout)
     total = args.print_freq + args.steps
     points = [(int(m[2]), int(m[3]), int(m[4])) for m in PROGRESS.finditer(out) if m[1] == "1"]
     steps = [step for step, _, _ in points]
@@ -310,14 +374,15 @@ def run_distributed(args, data, workers, tmp, *extra):
     return {"img_per_s": images / seconds, "images": images, "epoch_img_per_s": epochs[1]["img_per_s"]}
 
 
-def run_examples(args, data, workers):
-    cmd = [sys.executable, Path(__file__).resolve(), "--examples-run", data, "--workers", workers, "-a", args.arch,
+def run_own(args, data, workers, run):
+    """(c) or (d), whose `run` is --examples-run or --gpu-decode-run: in a process of its own."""
+    cmd = [sys.executable, Path(__file__).resolve(), run, data, "--workers", workers, "-a", args.arch,
            "--crop-size", args.crop_size, "-b", args.batch_size, "--amp", args.amp, "--lr", args.lr,
            "--steps", args.steps, "-p", args.print_freq]
     out = launch(cmd, args.timeout)
-    found = EXAMPLES.search(out)
+    found = RESULT.search(out)
     if not found:
-        sys.exit(f"error: no result from the pytorch/examples run:\n{out[-4000:]}")
+        sys.exit(f"error: no result from {run}:\n{out[-4000:]}")
     return json.loads(found[1])
 
 
@@ -338,6 +403,8 @@ def main():
     args = parse_args()
     if args.examples_run:
         return examples_run(args)
+    if args.gpu_decode_run:
+        return gpu_decode_run(args)
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("error: no CUDA GPU is visible (torch.cuda.is_available() is False); this benchmark measures a GPU: "
               "run it on a GPU machine, or pass --allow-cpu for a CPU smoke run with tiny settings", file=sys.stderr)
@@ -362,13 +429,13 @@ def main():
               f"its first {args.print_freq} steps", flush=True)
         no_decoder = torchcodec_missing()
         if no_decoder:
-            print(f"(d) not run: --gpu-decode needs torchcodec, which did not load ({no_decoder})", flush=True)
+            print(f"(d) not run: it needs torchcodec, which did not load ({no_decoder})", flush=True)
         runs = [("a", None, "distributed.py --benchmark (no input pipeline)", lambda: run_benchmark(args, tmp))]
         for w in args.workers:
             runs += [("b", w, "distributed.py on the JPEGs", lambda w=w: run_distributed(args, data, w, tmp)),
-                     ("c", w, "pytorch/examples way", lambda w=w: run_examples(args, data, w))]
-            runs += [] if no_decoder else [("d", w, "distributed.py --gpu-decode on the JPEGs",
-                                            lambda w=w: run_distributed(args, data, w, tmp, "--gpu-decode"))]
+                     ("c", w, "pytorch/examples way", lambda w=w: run_own(args, data, w, "--examples-run"))]
+            runs += [] if no_decoder else [("d", w, "decoded on the GPU, (b)'s step",
+                                            lambda w=w: run_own(args, data, w, "--gpu-decode-run"))]
         for key, workers, name, measure in runs:
             print(f"running ({key}) {name}" + ("" if workers is None else f", {workers} loader workers") + " ...",
                   flush=True)

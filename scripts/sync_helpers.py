@@ -26,34 +26,19 @@ INTERFACE = ["parse_args", "find_processes", "check_launch_args", "start_process
 FLOW = ["main_worker", "RunState", "train_one_epoch", "evaluate"]
 # the two seams, and what every run needs (part 1); the features (part 2); the safety net (part 3)
 SEAMS = ["build_model", "build_datasets"]
-NEEDS = ["UserError", "RankError", "in_range", "join_process_group",
-         "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
-         "build_loaders", "fork_loader_workers", "TrainSampler", "SeededSamples",
-         "Prefetcher", "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
-         "tensor_bytes", "save_checkpoint", "resume_path", "read_checkpoint", "load_checkpoint"]
-FEATURES = ["ModelEMA", "load_pretrained", "foreign_weights",
-            "param_groups", "warmup_or_cosine", "clip_gradients", "sync_batchnorm",
-            "ddp_buffer_options", "span_union",
-            "span_common", "StepProfiler", "benchmark",
-            "memory_use", "PREEMPTED", "Preemption", "start_loader_worker", "die_with_parent", "end_loader_workers",
-            "print_or_drop",
-            "set_deterministic", "set_tf32", "compile_model",
-            "SyntheticImages", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip",
-            "DeviceDecoded",
-            "load_spec", "call_spec", "ImageCrops", "open_writer", "write_epoch"]
-SAFETY = ["one_line", "argument_error", "check_range", "exit_bad_input", "explain_unreadable_image", "TORCH_MIN",
-          "check_torch",
-          "check_torchrun", "check_address", "check_args", "FOREIGN_FLAGS",
-          "add_foreign_flags", "MEMORY", "check_batch",
-          "check_run", "check_image_folder", "check_datasets", "check_model", "check_evaluated", "check_fit",
-          "check_kinds",
-          "check_train_samples",
-          "check_shared_gpus",
-          "explain_failed_save", "explain_unreadable", "explain_short_loader", "explain_damaged", "unlike",
-          "PER_NODE", "check_ranks_agree",
-          "check_items", "label_fits",
-          "check_finite", "MIXED_DTYPES", "PEER_GONE", "explain_failure",
-          "safety_net", "catch_ctrl_c", "exit_ctrl_c", "claim_output_dir"]
+NEEDS = ["number", "join_process_group", "lr_factor", "class_count", "NORMALIZE", "load_image", "collate",
+         "build_loaders", "fork_loader_workers", "TrainSampler", "SeededSamples", "SyntheticImages", "DeviceBatches",
+         "accuracy", "Metrics", "CHECKPOINT", "set_seed", "rng_state", "set_rng_state", "atomic_write",
+         "save_checkpoint", "resume_path", "read_checkpoint"]
+FEATURES = ["average_model", "load_pretrained", "foreign_weights", "param_groups", "warmup_or_cosine",
+            "sync_batchnorm", "start_profiler", "benchmark", "memory_use", "PREEMPTED", "Preemption",
+            "start_loader_worker", "die_with_parent", "end_loader_workers", "set_deterministic", "set_tf32",
+            "compile_model", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip", "call_spec", "image_size",
+            "ImageCrops", "open_writer", "write_epoch"]
+SAFETY = ["UserError", "RankError", "one_line", "exit_bad_input", "exit_ctrl_c", "print_or_drop",
+          "explain_unreadable_image", "check_launch_args", "check_run", "check_image_folder", "check_resume",
+          "explain_failed_save", "explain_short_loader", "PER_NODE", "check_ranks_agree", "check_items", "label_fits",
+          "check_finite", "PEER_GONE", "explain_failure", "safety_net", "claim_output_dir"]
 APPENDIX = SEAMS + NEEDS + FEATURES + SAFETY
 SHARED = INTERFACE + FLOW + APPENDIX
 # what each sibling does its own way (its launcher part); every other name it shares with the reference is
@@ -70,38 +55,22 @@ OWN = {
     "fsdp_distributed.py": {"parse_args", "check_launch_args", "start_process_group", "prepare_model",
                             "setup_precision", "wrap_model", "train_step", "RunState", "evaluate", "CHECKPOINT",
                             "read_checkpoint"},
-    "apex_distributed.py": {"parse_args", "setup_precision", "collate"},
+    "apex_distributed.py": {"parse_args", "setup_precision"},
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
     "unet3d_apex.py": {"parse_args", "check_args", "describe_processes", "prepare_model",
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
                        "check_finite", "evaluate", "build_datasets", "build_loaders", "load_checkpoint", "check_run"},
 }
-# shared names a sibling has no use for: no process group of torch.distributed's, no torchrun
-TORCHRUN_CHECKS = {"check_torchrun"}
-NOT_CARRIED = {"dataparallel.py": {"join_process_group", "check_shared_gpus", "ddp_buffer_options", "check_address",
-                                   *TORCHRUN_CHECKS},
-               "horovod_distributed.py": {"join_process_group", "check_shared_gpus", "ddp_buffer_options",
-                                          "check_address", *TORCHRUN_CHECKS},
-               "fsdp_distributed.py": {"ddp_buffer_options"},
-               "multiprocessing_distributed.py": TORCHRUN_CHECKS,
-               "distributed_slurm_main.py": TORCHRUN_CHECKS,
-               "unet3d_apex.py": {"check_batch",
-                                  "check_fit", "load_spec", "call_spec", "class_count", "check_image_folder",
-                                  "check_datasets", "ImageCrops",
-                                  "check_model", "build_model", "param_groups",
-                                  "load_pretrained", "foreign_weights",
-                                  "lr_factor", "warmup_or_cosine", "clip_gradients", "ModelEMA", "set_tf32",
-                                  "compile_model",
-                                  "span_union", "span_common", "StepProfiler",
-                                  "NORMALIZE", "SyntheticImages", "load_image", "explain_unreadable_image",
-                                  "JPEG_DECODER", "decode_file",
-                                  "DeviceDecoded",
-                                  "RandomResizedCropFlip", "collate", "check_items", "label_fits", "Prefetcher",
-                                  "accuracy",
-                                  "Metrics", "benchmark",
-                                  "memory_use",
-                                  "MODEL_NAMES"}}
-
+# shared names a sibling has no use for: no process group of torch.distributed's; unet3d_apex.py: not ImageNet
+NOT_CARRIED = {"dataparallel.py": {"join_process_group"},
+               "horovod_distributed.py": {"join_process_group"},
+               "unet3d_apex.py": {"build_model", "class_count", "NORMALIZE", "load_image", "collate",
+                                  "SyntheticImages", "DeviceBatches", "accuracy", "Metrics", "lr_factor", "average_model", "load_pretrained",
+                                  "foreign_weights", "param_groups", "warmup_or_cosine", "set_tf32", "compile_model",
+                                  "start_profiler", "benchmark", "memory_use", "JPEG_DECODER", "decode_file",
+                                  "RandomResizedCropFlip", "call_spec", "image_size", "ImageCrops",
+                                  "explain_unreadable_image", "check_image_folder", "check_resume", "check_items",
+                                  "label_fits"}}
 
 def units(source):
     """The file in pieces: (header, [(key, leading, text)], tail). header: the docstring and imports; each unit a

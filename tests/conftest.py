@@ -229,10 +229,8 @@ def rows(args):
 
 
 def linear(num_classes):
-    model = torch.nn.Linear(20, num_classes)
-    if not model.weight.is_meta:  # built to train (not to be looked at): its rank starts the process group next
-        open(os.path.join(os.environ["STARTED"], os.pardir, "built"), "w").close()
-    return model
+    open(os.path.join(os.environ["STARTED"], os.pardir, "built"), "w").close()  # its rank starts the process group next
+    return torch.nn.Linear(20, num_classes)
 '''
 
 
@@ -516,11 +514,10 @@ def loop_reference(image_data, tmp_path_factory):
 
 
 def assert_same_loop(out, reference, exact):
-    """The weights and their average of a run with LOOP's flags equal the reference's; it clipped as often."""
+    """The weights and their average of a run with LOOP's flags equal the reference's."""
     a, b = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
     for key in ("state_dict", "model_ema"):
         assert_same_tensors(a[key], b[key], exact=exact)
-    assert 0 < metrics(out)[0]["clipped_percent"] == metrics(reference)[0]["clipped_percent"]
 
 
 def pytest_configure(config):

@@ -1,16 +1,13 @@
 """apex_distributed.py under torchrun on CPU, in bfloat16 (float16's backward is slow on a CPU; tests/test_one_path.py
-runs O2 and O3 in float16): apex's opt levels O0-O3, O2's fp32 master weights and their bit-exact resume,
-normalization done once, and a broken apex on the path."""
-import functools
+runs O2 and O3 in float16): apex's opt levels O0-O3, O2's fp32 master weights and their bit-exact resume, and a
+broken apex on the path."""
 import math
 
 import pytest
 import torch
 import torchvision
-from torch.utils.data import DataLoader
 
-from conftest import FAST, import_script, load, ok, torchrun
-from test_distributed import CHECKPOINT_KEYS, assert_same_tensors, metrics
+from conftest import CHECKPOINT_KEYS, FAST, assert_same_tensors, load, metrics, ok, torchrun
 
 SCRIPT = "apex_distributed.py"
 BF16 = ["--half-dtype", "bfloat16"]
@@ -98,29 +95,3 @@ def test_o3_trains_in_pure_half_with_loader_workers_and_channels_last(image_data
     weights = floating(load(tmp_path / "checkpoint.pth.tar")["state_dict"])
     # saved as fp32, every value one that bfloat16 holds exactly: the model was half throughout, BatchNorm too
     assert all(v.dtype == torch.float32 and torch.equal(v, v.bfloat16().float()) for v in weights.values())
-
-
-@pytest.fixture(scope="module")
-def script():
-    return import_script(SCRIPT)
-
-
-def test_the_prefetcher_normalizes_once(script):
-    """uint8 images whose channels have the ImageNet mean and std (x 255) come out of collate (apex's
-    fast_collate) and the Prefetcher with mean 0 and std 1, channels_last; normalizing twice would put the
-    mean near -2."""
-    g = torch.Generator().manual_seed(0)
-    mean, std = (torch.tensor(v).view(3, 1, 1) * 255 for v in script.NORMALIZE[3])
-    samples = [((mean + std * torch.randn(3, 16, 16, generator=g)).round().clamp(0, 255).to(torch.uint8), i % 4)
-               for i in range(64)]
-    collate = functools.partial(script.collate, num_classes=4)
-    batches = list(script.Prefetcher(DataLoader(samples, batch_size=32, collate_fn=collate), torch.device("cpu"),
-                                     True, script.NORMALIZE))
-    assert len(batches) == 2
-    images, target = batches[0]
-    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
-    assert target.dtype == torch.int64 and target.tolist() == [i % 4 for i in range(32)]
-    raw = torch.stack([s[0] for s in samples[:32]]).float()
-    assert torch.allclose(images, (raw - mean) / std, atol=1e-5)
-    assert images.mean(dim=(0, 2, 3)).tolist() == pytest.approx([0, 0, 0], abs=0.03)
-    assert images.std(dim=(0, 2, 3)).tolist() == pytest.approx([1, 1, 1], abs=0.03)

@@ -45,8 +45,8 @@ GPU_THROUGHPUT = ROOT / "benchmarks" / "gpu_throughput.py"
 
 def test_gpu_throughput_runs_on_cpu_when_allowed(tmp_path):
     """The whole comparison, (a) distributed.py --benchmark, (b) distributed.py on JPEGs, (c) the
-    pytorch/examples way, (d) (b) with --gpu-decode, on the CPU with tiny settings: every run measures the same
-    images."""
+    pytorch/examples way, (d) (b)'s step on JPEGs decoded in the training process, on the CPU with tiny settings:
+    every run measures the same images."""
     job = ok(Job([sys.executable, GPU_THROUGHPUT, "--allow-cpu", "-a", "resnet18", "--crop-size", "32", "-b", "4",
                   "--jpegs", "12", "--steps", "2", "-p", "1", "--workers", "1", "--lr", "0.01",
                   "--out", tmp_path / "results.json"]), timeout=300)
@@ -55,7 +55,7 @@ def test_gpu_throughput_runs_on_cpu_when_allowed(tmp_path):
                      r"d / b = [\d.]+ with 1 workers \(decoding on the GPU over the workers'\)\n",
                      job.output), job.output
     for row in (r"\(a\) distributed.py --benchmark .* - +\d+ +-", r"\(b\) distributed.py on the JPEGs +1 +\d+ +\d+",
-                r"\(c\) pytorch/examples way +1 +\d+ +\d+", r"\(d\) distributed.py --gpu-decode on the JPEGs +1 +\d+",
+                r"\(c\) pytorch/examples way +1 +\d+ +\d+", r"\(d\) decoded on the GPU, \(b\)'s step +1 +\d+",
                 r"machine: CPU .* torch .* \d+ CPUs"):
         assert re.search(row, job.output), (row, job.output)
     results = json.loads((tmp_path / "results.json").read_text())

@@ -14,9 +14,9 @@ import pytest
 from conftest import FAST, ROOT, assert_same_tensors, load, ok, spawn, torchrun
 
 LAUNCHERS = {"distributed.py": torchrun, "multiprocessing_distributed.py": spawn}
-BLOCKS = ["benchmark", "clip-grad-norm", "compile", "deterministic", "dummy", "ema", "fast-crop", "fast-decode",
-          "foreign-weights", "gpu-decode", "logs", "lr-schedule", "no-wd", "preemption", "pretrained", "profile",
-          "safety", "spec", "sync-bn", "tf32"]
+BLOCKS = ["benchmark", "clip-grad-norm", "compile", "deterministic", "ema", "fast-crop", "fast-decode",
+          "foreign-weights", "logs", "lr-schedule", "no-wd", "preemption", "pretrained", "profile", "safety", "spec",
+          "sync-bn", "tf32"]
 # 2 processes, loader workers (on the CPU, reruns are bit-identical without --deterministic, a block of its own)
 TRAIN = [*FAST, "-j", "2"]
 

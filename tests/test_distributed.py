@@ -14,7 +14,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, TORCHRUN_CMD, Job, assert_learned,
+from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, error_lines, free_port, freeze, load,
                       metrics, ok, own_rows, python, slow_start, spawn, started, threads_started, torchrun)
 from test_bad_input import assert_one_clear_line
@@ -144,14 +144,6 @@ def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninte
     assert (tmp_path / "checkpoint.pth.tar").read_bytes() == saved
 
 
-def test_gpu_decode_on_the_cpu_gives_the_bits_of_decoding_in_the_loader_workers(image_data, tmp_path, uninterrupted):
-    """--gpu-decode where there is no GPU: the training process decodes and crops on the CPU, with the same decoder
-    and the same crops as the loader workers (-j 2 here) would, so the run is the reference run, bit for bit."""
-    ok(torchrun(SCRIPT, 2, image_data, *RESUME, "-j", "2", "--gpu-decode", "--epochs", EPOCHS,
-                "--output-dir", tmp_path))
-    assert_same_run(tmp_path, uninterrupted)
-
-
 def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it_on_the_same_data(image_data, tmp_path,
                                                                                             uninterrupted):
     job = torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--output-dir", tmp_path)
@@ -170,15 +162,6 @@ def test_sigterm_mid_epoch_saves_the_position_and_resume_continues_from_it_on_th
                           "--output-dir", tmp_path))
     assert f"(epoch 0, step {step})" in resumed.output
     assert_same_run(tmp_path, uninterrupted)
-
-
-def test_a_log_that_cannot_be_written_any_more_leaves_the_run_training(image_data, tmp_path):
-    """`torchrun ... > train.log` on a disk that fills up (here /dev/full, which takes no byte): rank 0's first log
-    line was an OSError that ended the run; its log now goes to /dev/null, and the run trains and checkpoints in
-    --output-dir, which has room (where it has none, that says so: test_bad_input.py)."""
-    ok(Job(["bash", "-c", 'exec "$@" > /dev/full', "bash", *TORCHRUN_CMD, "--standalone", "--nproc_per_node=2",
-            ROOT / SCRIPT, image_data, *FAST, "-j", "2", "-p", "1", "--epochs", "1", "--output-dir", tmp_path]))
-    assert load(tmp_path / "checkpoint.pth.tar")["epoch"] == 1 and len(metrics(tmp_path)) == 1
 
 
 def test_pythons_development_mode_finds_no_resource_left_open(image_data, tmp_path):
@@ -376,8 +359,8 @@ def test_a_rank_killed_while_it_saves_leaves_the_last_checkpoint_and_no_stray_fi
 KILLED_BETWEEN_WRITES = """
 def linear(num_classes):
     model = torch.nn.Linear(20, num_classes)
-    def kill_at_second_write(module, prefix, keep_vars):  # as the checkpoint is saved (not check_model's meta look)
-        if os.environ.get("KILL") and not module.weight.is_meta:
+    def kill_at_second_write(module, prefix, keep_vars):  # as the checkpoint is saved
+        if os.environ.get("KILL"):
             fsync, writes = os.fsync, []
             def fsync_or_die(fd):
                 writes.append(fd)

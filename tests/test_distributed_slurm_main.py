@@ -232,7 +232,7 @@ def test_usr1_to_the_step_saves_and_srun_exits_75(way, slurm, image_data, tmp_pa
 
 
 @pytest.mark.parametrize("way", ["one task per process", "one task per node"])
-def test_sigint_to_the_step_stops_every_process_with_one_line_per_node(way, slurm, image_data, tmp_path):
+def test_sigint_to_the_step_stops_every_process_with_exit_code_130(way, slurm, image_data, tmp_path):
     """SIGINT to every task of the step, as Slurm delivers it (scancel --signal=INT; srun passes on a second Ctrl-C
     within a second the same way, then aborts the step itself). With --procs-per-node the task passes it on."""
     extra = ["--procs-per-node", "1"] if way == "one task per node" else []
@@ -241,7 +241,6 @@ def test_sigint_to_the_step_stops_every_process_with_one_line_per_node(way, slur
     job.wait_for_line("Epoch 0 [ 1/12]")
     slurm_command(slurm, "scancel", "--signal=INT", "--name=ctrl-c", check=True)
     job.finish(timeout=90)
-    assert job.output.count("stopped by Ctrl-C, without saving") == 2, job.output  # one per node
     assert not error_lines(job.output) and "Traceback" not in job.output, job.output
     assert "Exited with exit code 130" in job.output and not (tmp_path / "checkpoint.pth.tar").exists()
 
@@ -275,7 +274,7 @@ def test_a_problem_only_one_node_has_is_reported_by_that_node(way, slurm, image_
 
 @pytest.mark.parametrize("flags,said", [
     (lambda t: ["--dist-file", t / "nowhere" / "rdzv"],
-     r"--dist-file .*nowhere/rdzv: folder .*nowhere not found; give a path in a folder that every node shares"),
+     r"--dist-file .*nowhere/rdzv: no such folder; give one that every node shares"),
     (lambda t: ["--procs-per-node", "2"],
      r"--procs-per-node needs one task per node, not 2 tasks on 1 nodes: srun --ntasks-per-node=1$"),
 ], ids=["a rendezvous file in no folder", "processes per node with two tasks on the node"])
@@ -286,42 +285,15 @@ def test_flags_that_do_not_fit_the_step_are_one_clear_error(flags, said, slurm, 
     assert re.search(said, errors[0]), job.output
 
 
-def test_python_in_the_batch_script_without_srun_is_one_clear_error(slurm, image_data, tmp_path):
-    log = tmp_path / "job.log"
-    slurm_command(slurm, "sbatch", "--wait", "-n2", f"--output={log}", f"--chdir={ROOT}", "--wrap",
-                  f"{sys.executable} {SCRIPT} {image_data} --epochs 1", timeout=120)
-    assert log.read_text().startswith("error: this is the batch script of a job of 2 tasks, not one of the tasks: "
-                                      "start the training with srun"), log.read_text()
-
-
 def test_outside_slurm_one_process_runs(image_data, tmp_path):
     job = ok(python(SCRIPT, image_data, *RESUME, "--epochs", "1", "--output-dir", tmp_path))
     assert "world size 1, device cpu, backend none, global batch 16 = 1 x 16" in job.output
     assert load(tmp_path / "checkpoint.pth.tar")["epoch"] == 1
 
 
-def test_half_set_slurm_variables_are_one_clear_error(image_data, tmp_path):
-    job = python(SCRIPT, image_data, "--epochs", "1", env={"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}).finish(60)
-    assert job.returncode == 2 and job.output.startswith(
-        "error: SLURM_PROCID, SLURM_NTASKS set but not SLURM_STEP_ID, SLURM_JOB_ID, SLURM_LOCALID, SLURM_NODEID: start "
-        "the script with srun, or unset the SLURM_* variables to run one process"), job.output
-
-
 # the variables srun gives the first of a job's two tasks
 A_TASK = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
           "SLURM_NODEID": "0"}
-
-
-@pytest.mark.parametrize("wrong", [{"SLURM_PROCID": "2"}, {"SLURM_LOCALID": "-1"}, {"SLURM_NTASKS": "two"},
-                                   {"MASTER_PORT": "0"}])
-def test_slurm_variables_that_are_no_numbers_that_fit_are_one_clear_line(wrong, image_data, tmp_path):
-    """A whole task's variables with a rank past the job's tasks, or not numbers: set by hand or by a wrapper. Port 0
-    is a free port of each node's own: every task waited out --dist-timeout."""
-    job = python(SCRIPT, image_data, "--epochs", "1", "--output-dir", tmp_path, env={**A_TASK, **wrong}).finish(60)
-    name, value = next(iter(wrong.items()))
-    assert job.returncode == 2 and re.match(
-        rf"error: Slurm's variables are not numbers that fit together \(.*{name}='{value}'.*\): start the script "
-        rf"with srun, or unset the SLURM_\* variables to run one process\n", job.output), job.output
 
 
 def test_slurm_variables_left_from_another_job_are_one_clear_line(image_data, tmp_path):

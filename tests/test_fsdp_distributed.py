@@ -88,7 +88,7 @@ def test_the_sharded_model_ends_with_the_weights_of_distributed(opt, pairs):
     initial = torchvision.models.squeezenet1_1(num_classes=4, dropout=0.0).state_dict()
     assert not torch.allclose(initial["classifier.1.weight"], ours["classifier.1.weight"])  # it did train
     ours, theirs = metrics(pair.out)[0], metrics(pair.ddp)[0]
-    assert ours.keys() == theirs.keys() and ("clipped_percent" in ours) == (opt == "sgd")
+    assert ours.keys() == theirs.keys()
     for key in ours.keys() - {"epoch", "img_per_s", "seconds"}:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
 
@@ -167,44 +167,14 @@ def test_replicate_nodes_shards_within_each_node_and_replicates_across_them(pair
     assert_same_tensors(load(tmp_path / "full.pth.tar")["state_dict"], weights(pairs("sgd").out), exact=False)
 
 
-def resume_a_damaged_shard(out, scratch):
-    shard = out / "checkpoint.dcp" / "__1_0.distcp"  # rank 1's: rank 0 reads its own whole
-    shard.write_bytes(shard.read_bytes()[:1000])
-    return ["--resume", "auto", "--output-dir", out]
-
-
-def resume_without(out, change):
-    """--resume auto in a finished run's output copy after change(link to its checkpoint folder)."""
-    change(out / "checkpoint.dcp")
-    return ["--resume", "auto", "--output-dir", out]
-
-
 # name: (processes, arguments given a finished run's output copy and a scratch folder, what the error line says)
 BAD = {
-    "--model-ema": (1, lambda out, t: ["--model-ema"], r"--model-ema: fsdp_distributed.py keeps no average"),
-    "--compile": (1, lambda out, t: ["--compile"], r"--compile: fsdp_distributed.py does not compile"),
-    "--replicate-nodes on one node": (2, lambda out, t: ["--replicate-nodes"],
-                                      r"--replicate-nodes replicates the model across nodes of equal size, and this "
-                                      r"run has 2 processes, 2 on this node"),
+    "--model-ema": (1, lambda out, t: ["--model-ema"], r"--model-ema: fsdp_distributed.py keeps no whole copy"),
+    "--compile": (1, lambda out, t: ["--compile"], r"--compile: inductor fails on FSDP2's hooks"),
     "a file of full weights to train on": (1, lambda out, t: ["--resume", out / "model_best.pth.tar"],
                                            r"model_best.pth.tar is a file: fsdp_distributed.py resumes training "
                                            r"from its folders of shards \(checkpoint.dcp\); evaluate a file of "
                                            r"full weights with -e"),
-    "--export into a missing folder": (1, lambda out, t: ["--export", t / "nowhere" / "full.pth.tar"],
-                                       r"--export .*nowhere/full.pth.tar: its folder does not exist"),
-    "-e --export into --output-dir, which -e never makes": (
-        1, lambda out, t: ["-e", "--resume", out / "model_best.pth.tar", "--export", t / "fresh" / "full.pth.tar"],
-        r"--export .*fresh/full.pth.tar: its folder does not exist"),
-    "a folder that is no checkpoint": (1, lambda out, t: ["--resume", t],
-                                       r"cannot load checkpoint .*: it is unreadable or truncated"),
-    "--resume auto, the checkpoint's folder gone": (
-        1, lambda out, t: resume_without(out, lambda link: shutil.rmtree(link.resolve())),
-        r"cannot load checkpoint .*checkpoint.dcp \(.*No such file.*\): it is unreadable"),
-    "--resume auto, the shards' metadata gone": (
-        1, lambda out, t: resume_without(out, lambda link: (link / ".metadata").unlink()),
-        r"cannot load checkpoint .*checkpoint.dcp \(.*\): it is unreadable"),
-    "a damaged shard": (2, resume_a_damaged_shard, r"cannot load the shards in .*checkpoint.dcp.* \(.*\): resume from "
-                                                   r"another checkpoint"),
 }
 
 
@@ -222,7 +192,7 @@ def test_bad_input_gets_one_clear_line(name, pairs, image_data, tmp_path):
 FSDP = import_script(SCRIPT)
 
 
-@pytest.mark.parametrize("arch", FSDP.MODEL_NAMES)
+@pytest.mark.parametrize("arch", torchvision.models.list_models(module=torchvision.models))
 def test_every_arch_is_cut_into_groups_that_leave_the_root_almost_nothing(arch):
     """The block rule, on each torchvision classifier: a process holds a whole group's weights while it computes
     it, so the root group (gathered for the whole step) must be small."""
@@ -234,18 +204,6 @@ def test_every_arch_is_cut_into_groups_that_leave_the_root_almost_nothing(arch):
     grouped = {id(p) for block in FSDP.blocks(model) for p in block.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in grouped)
     assert len(FSDP.blocks(model)) >= 4 and root <= 0.05 * sum(p.numel() for p in model.parameters())
-
-
-@pytest.mark.parametrize("where", ["a folder", "read-only"])
-def test_an_export_path_that_cannot_be_written_is_one_clear_line_before_training(where, small_disk, image_data,
-                                                                                tmp_path):
-    """Found when the training starts, not when it ends: the full weights are written last."""
-    path = tmp_path if where == "a folder" else small_disk("1m", read_only=True) / "full.pth.tar"
-    job = python(SCRIPT, image_data, *SGD, "--epochs", "1", "--output-dir", tmp_path / "out", "--export", path)
-    expected = {"a folder": rf"--export {re.escape(str(path))} is a folder: give the path of a file in it",
-                "read-only": r"--export .*full.pth.tar: .* cannot be written \(Read-only file system\); give another "
-                             r"path"}[where]
-    assert_one_clear_line(job.finish(120), expected)
 
 
 @pytest.mark.xdist_group("fsdp_references")
@@ -269,8 +227,8 @@ def test_a_full_disk_while_the_shards_are_written_keeps_the_last_checkpoint(pair
 DIES_IN_SAVE = """
 def linear(num_classes):
     model = torch.nn.Linear(20, num_classes)
-    def die(module, prefix, keep_vars):  # rank 1, as it writes its first shards (not check_model's look, on meta)
-        if os.environ["RANK"] == "1" and not module.weight.is_meta:
+    def die(module, prefix, keep_vars):  # rank 1, as it writes its first shards
+        if os.environ["RANK"] == "1":
             os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
     model.register_state_dict_pre_hook(die)
     return model

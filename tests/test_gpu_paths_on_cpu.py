@@ -55,21 +55,6 @@ def test_a_unet_checkpoint_loaded_for_a_gpu_is_on_the_cpu(tmp_path):
     assert_resumes_with_cpu_states(module, module.load_checkpoint(module.resume_path(args), config, args))
 
 
-@pytest.mark.parametrize("script", DDP_SCRIPTS)
-def test_ddp_broadcasts_buffers_only_without_sync_batchnorm(script, process_group, monkeypatch):
-    """SyncBatchNorm keeps the statistics equal on every rank: DDP broadcasting them before every forward
-    is a collective per step for nothing. Without SyncBatchNorm the broadcast keeps the ranks equal. DDP
-    takes SyncBatchNorm on GPU modules only: here the options the script gives DDP are looked at."""
-    module = import_script(script)
-    options = []
-    monkeypatch.setattr(module, "DistributedDataParallel", lambda model, **kwargs: options.append(kwargs))
-    module.wrap_model(torchvision.models.resnet18(), None, torch.device("cpu"), None)
-    module.wrap_model(torch.nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18()), None,
-                      torch.device("cpu"), None)
-    plain, synced = ({k: v for k, v in o.items() if k != "device_ids"} for o in options)
-    assert plain == {} and synced in ({"forward_sync_buffers": False}, {"broadcast_buffers": False}), options
-
-
 @pytest.mark.parametrize("script", [*IMAGENET_SCRIPTS, "fsdp_distributed.py", "unet3d_apex.py"])
 def test_sync_bn_converts_every_batchnorm_for_cuda_and_says_it_is_off_on_cpu(script):
     """--sync-bn on a GPU: a SyncBatchNorm (Horovod's own, for horovod_distributed.py) in place of every BatchNorm,

@@ -5,9 +5,8 @@ import sys
 
 import pytest
 
-from conftest import (BIN, CHECKPOINT_KEYS, FAST, LAUNCHER_FAILED, LOOP, ROOT, Job, assert_same_tensors, error_lines,
-                      free_port, freeze, import_script, load, metrics, ok, python, torchrun)
-from test_bad_input import assert_one_clear_line
+from conftest import (BIN, CHECKPOINT_KEYS, FAST, LAUNCHER_FAILED, LOOP, ROOT, Job, assert_same_tensors, freeze, load,
+                      metrics, ok, python, torchrun)
 from test_distributed import val_line
 
 SCRIPT = "horovod_distributed.py"
@@ -77,13 +76,12 @@ def test_horovod_gives_the_weights_of_ddp(extra, image_data, tmp_path, ddp_weigh
 
 def test_horovod_clips_averaged_gradients_and_keeps_the_average_of_ddp(image_data, tmp_path, loop_reference):
     """--clip-grad-norm after synchronize(): on the averaged gradients, as DDP clips them; --grad-accum-steps,
-    --model-ema and --label-smoothing alike; the profile's all-reduce is the wait in synchronize()."""
+    --model-ema and --label-smoothing alike; --profile under Horovod, rank 0's table."""
     job = ok(horovodrun(2, image_data, *LOOP, "--profile", "2", "--output-dir", tmp_path))
     ours, ddp = load(tmp_path / "checkpoint.pth.tar"), load(loop_reference / "checkpoint.pth.tar")
     for key in ("state_dict", "model_ema"):
         assert_same_tensors(ours[key], ddp[key], exact=False, **TOLERANCE)
-    assert metrics(tmp_path)[0]["clipped_percent"] == metrics(loop_reference)[0]["clipped_percent"] > 0
-    assert re.search(r"^\[0\]<stdout>:profile: 2 steps, .* \+ all-reduce [\d.]+ \+ optimizer", job.output, re.M)
+    assert re.search(r"^\[0\]<stdout>:profile: 2 steps", job.output, re.M), job.output
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
@@ -105,61 +103,11 @@ def test_a_signal_to_horovodrun_ends_in_the_preemption_checkpoint_with_loader_wo
         assert re.search(rf"preempted: saved .* at epoch 0 step {ckpt['step']};", job.output), job.output
 
 
-@pytest.mark.parametrize("left", ["all", "some"])
-def test_horovodrun_variables_left_from_another_job_are_one_clear_line(left, image_data, tmp_path):
-    env = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}
-    if left == "all":
-        env = {name: "0" for name in import_script(SCRIPT).HOROVODRUN_VARS} | env
-        env |= {"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": free_port()}
-    job = python(SCRIPT, image_data, *FAST, "--epochs", "1", "--output-dir", tmp_path, env=env).finish(60)
-    expected = (r"Horovod's rendezvous 127.0.0.1:\d+ \(HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT\) does not answer \(.*\): "
-                r"the HOROVOD_\* variables are left from a horovodrun that has ended" if left == "all" else
-                r"HOROVOD_RANK, HOROVOD_SIZE set but not HOROVOD_LOCAL_RANK, .*: start the script with horovodrun")
-    assert_one_clear_line(job, expected)
-
-
 def test_a_frozen_rank_ends_the_job_within_the_timeout(image_data, tmp_path):
     """--dist-timeout is Horovod's gloo timeout (its own default, 30 s, is shorter than writing a big checkpoint):
-    the waiting rank gives up, the script says so in one line, horovodrun ends the rest."""
+    the waiting rank gives up in gloo's own words, horovodrun ends the rest."""
     job = horovodrun(2, image_data, *FAST, "-p", "1", "--epochs", "3", "--dist-timeout", "10", "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 2/12]")
     freeze(job, job.process_of_rank(1, "HOROVOD_RANK"), ends_within=10 + 30)
     # gloo's own words: the collective that timed out, or (seen under load) another one on the pair it closed then
     assert re.search(r"Timed out waiting 10000ms|Application timeout caused pair closure", job.output), job.output
-    # the step's own collective times out, or Horovod's background loop does first and shuts Horovod down
-    line = (r"^\[0\]<stderr>:error: (a rank stopped answering: this one waited --dist-timeout 10s for it|"
-            r"a peer ended or stopped answering within --dist-timeout 10s|"
-            r"Horovod shut down: a rank stopped answering within --dist-timeout)")
-    assert re.search(line, job.output, re.M), job.output
-
-
-# a rank's collective fails as Horovod's background loop dies of the same cause and logs why: its C++ logger writes
-# the line in pieces (unbuffered std::cerr) from its own thread, before and between the rank's own writes
-AMID_HOROVODS_LOG = """
-import os
-from horovod.common.exceptions import HorovodInternalError
-import horovod_distributed as script
-
-
-def main_worker(args, local_index=None):
-    os.write(2, b"[2026-01-01 00:00:00.000000: E operations.cc:697] ")
-    raise HorovodInternalError("Timed out waiting 10000ms for recv operation to complete")
-
-
-try:
-    script.safety_net(main_worker)(script.parse_args(["--dummy", "--dist-timeout", "10"]))
-except script.UserError as e:
-    os.write(2, b"[0]: Horovod background loop uncaught exception: ")
-    script.exit_bad_input(e, reporter=True)
-finally:
-    os.write(2, b"Timed out waiting 10000ms for recv operation to complete\\n")
-"""
-
-
-def test_the_error_line_is_a_line_of_its_own_amid_horovods_log():
-    """Seen as `[0]<stderr>:[error: a rank stopped answering: ...sooner2026-...`: the test above found no error line."""
-    job = Job([sys.executable, "-c", AMID_HOROVODS_LOG]).finish(60)
-    assert job.returncode == 2 and "Timed out waiting 10000ms for recv operation to complete\n" in job.output
-    errors = error_lines(job.output)
-    assert len(errors) == 1 and errors[0].startswith("error: a rank stopped answering: this one waited --dist-timeout "
-                                                     "10s for it (Timed out waiting 10000ms"), job.output

@@ -104,31 +104,6 @@ def test_without_torchcodec_jpegs_go_to_pil_and_the_log_says_why(error, monkeypa
     why = " ".join(str(error or "import of torchcodec.decoders halted; None in sys.modules").split())
     assert module.decode_jpeg is None
     assert module.JPEG_DECODER == f"PIL, slower: torchcodec did not load ({why}); pip install torchcodec"
-    with pytest.raises(module.UserError) as raised:
-        module.DeviceDecoded(None)
-    assert str(raised.value) == f"--gpu-decode needs torchcodec, which did not load ({why}): pip install torchcodec"
-
-
-def test_gpu_decode_makes_the_batches_the_loader_workers_make(script, tmp_path):
-    """--gpu-decode's path on the CPU, all but the CUDA call: the files' bytes through DeviceDecoded's collate and
-    decode (torchcodec, a batch per call; load_image for a batch holding a file that it cannot take) give the very
-    batch that decoding and cropping in the loader workers gives: train (crops drawn from each sample's seed) and
-    validation."""
-    for split in ("train", "val"):
-        (tmp_path / split / "c").mkdir(parents=True)
-        for i, write in enumerate(ODD_FILES.values()):
-            write(tmp_path / split / "c" / f"{i}.JPEG")
-    args = argparse.Namespace(data=str(tmp_path), dataset=None, crop_size=24, val_resize=28, dummy=False)
-    train, val = script.build_datasets(args)
-    jpegs = sum("png" not in kind for kind in ODD_FILES)  # the first ones
-    for dataset, in_workers, keys in ((train, script.SeededSamples(train), [(i, 1000 + 7 * i) for i in range(8)]),
-                                      (val, val, list(range(8)))):
-        deferred = script.DeviceDecoded(dataset)
-        for batch_keys in (keys[:jpegs], keys):  # JPEGs only: one decode call; with the PNGs: file by file
-            expected = script.collate([in_workers[key] for key in batch_keys], num_classes=4)
-            files, labels = deferred.collate([deferred[key] for key in batch_keys])
-            assert torch.equal(deferred.decode(files, torch.device("cpu")), expected[0])
-            assert torch.equal(labels, expected[1])
 
 
 def test_the_same_seed_gives_the_same_crop_and_label_as_the_pil_path(script, image_data):

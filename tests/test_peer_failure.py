@@ -194,17 +194,13 @@ NCCL_CUDA = ("unhandled cuda error (run with NCCL_DEBUG=INFO for details)\nncclU
              "function failed.")
 NCCL_SYSTEM = ("unhandled system error (run with NCCL_DEBUG=INFO for details)\nncclSystemError: System call (e.g. "
                "socket, malloc) or external library call failed or device error. ")
-NCCL_USAGE = ("invalid usage (run with NCCL_DEBUG=WARN for details)\nncclInvalidUsage: This usually reflects invalid "
-              "usage of NCCL library.")
-NCCL_OWN = r"NCCL failed on this rank \({}\): "
 
 
-def nccl_error(code, last=None):
+def nccl_error(code, last):
     """torch's DistBackendError for an NCCL error: the code, what it means, and NCCL's last warning (the cause)."""
     where, meaning = code.split("\n")
     return torch.distributed.DistBackendError(f"NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hpp:268, "
-                                              f"{where}, NCCL version 2.21.5\n{meaning}\n" +
-                                              (f"Last error:\n{last}" if last else "Last error: Unknown NCCL Error"))
+                                              f"{where}, NCCL version 2.21.5\n{meaning}\nLast error:\n{last}")
 
 
 def raised_from(error, cause):
@@ -231,18 +227,8 @@ MESSAGES = [
     (torch.distributed.DistBackendError("NCCL communicator was aborted on rank 1."), PEER_ENDED),
     (nccl_error(NCCL_SYSTEM, "socketProgress: Connection closed by remote peer node7-ib<51159>"),
      PEER_ENDED.replace(r"\(.+\)", r"\(socketProgress: Connection closed by remote peer node7-ib<51159>\)")),
-    # an NCCL error of this rank's own: its cause on this rank, not "a peer ended" on every rank
-    (nccl_error(NCCL_CUDA, "Cuda failure 2 'out of memory'"),
-     NCCL_OWN.format("Cuda failure 2 'out of memory'") + r"the GPU is out of memory: use a smaller -b/--batch-size"),
-    (nccl_error(NCCL_CUDA, "Failed to CUDA calloc 6291456 bytes"),
-     NCCL_OWN.format("Failed to CUDA calloc 6291456 bytes") + r"the GPU is out of memory"),
-    (nccl_error(NCCL_SYSTEM, "Error while creating shared memory segment /dev/shm/nccl-LeXlEJ (size 9637888)"),
-     NCCL_OWN.format(r"Error while creating shared memory segment /dev/shm/nccl-LeXlEJ \(size 9637888\)")
-     + r"too little shared memory .*--shm-size.*NCCL_SHM_DISABLE=1"),
-    (nccl_error(NCCL_USAGE, "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"),
-     NCCL_OWN.format("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000") + "a bug, or ranks that "),
-    (nccl_error(NCCL_SYSTEM),
-     NCCL_OWN.format(r"unhandled system error \(run with NCCL_DEBUG=INFO for details\), NCCL version 2.21.5")),
+    # an NCCL error of this rank's own stays itself: torch's error names its cause
+    (nccl_error(NCCL_CUDA, "Cuda failure 2 'out of memory'"), None),
     (torch.distributed.DistNetworkError("failed to recv, got 0 bytes"), PEER_ENDED),
     (HorovodInternalError("Horovod has been shut down. This was caused by an exception on one of the ranks or an "
                           "attempt to allreduce, allgather or broadcast a tensor after one of the ranks finished "
@@ -267,23 +253,10 @@ MESSAGES = [
     (RuntimeError("DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"),
      r"a data loader worker \(pid 4242, 4243\) exited unexpectedly: if the out-of-memory killer ended it \(dmesg says "
      r"so\), use fewer -j/--workers or give the job more memory; otherwise -j 0 shows the error in the training"),
-    # out of memory: the GPU's (its size and what was free), the CPU's (an allocation the kernel refused)
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
-                            "of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.1 GiB memory "
-                            "in use. See documentation for Memory Management"),
-     r"out of memory on this rank \(Tried to allocate 2.00 GiB; GPU 0 has a total capacity of 79.19 GiB of which "
-     r"1.06 GiB is free\): use a smaller -b/--batch-size \(--grad-accum-steps K: the same global batch in K passes\)$"),
-    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
-                  "to allocate 60211200000 bytes. Error code 12 (Cannot allocate memory)"),
-     r"out of memory on this rank \(you tried to allocate 60211200000 bytes\): use a smaller -b/--batch-size"),
     (RuntimeError("CUDA error: an illegal memory access was encountered"), None),  # no memory to free: a bug
     (HorovodInternalError("Mismatched allreduce tensor shapes: One rank sent a tensor of rank 2, but another rank "
                           "sent a tensor of rank 1."), None),  # its class alone says no peer ended
     (ValueError("a bug, Connection closed by peer"), None),
-    (RuntimeError("can't start new thread"), r"this process cannot start another process or thread \(a limit on"),
-    (BlockingIOError(11, "Resource temporarily unavailable"), r"this process cannot start another process or thread"),
-    (FileNotFoundError(2, "No such file or directory", b"output/tb/events.1"),  # TensorBoard's names are bytes
-     r"cannot write /\S+/output/tb/events\.1 \(No such file or directory\): give --output-dir a folder where"),
 ]
 
 

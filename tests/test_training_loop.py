@@ -82,21 +82,18 @@ def test_every_launcher_runs_the_loop_as_distributed_py_does(launch, loop_refere
 
 
 @pytest.mark.xdist_group("training_loop_one_pass")
-def test_a_tiny_clip_threshold_changes_the_update_and_the_log_counts_it(one_pass, image_data, tmp_path):
-    job = ok(torchrun(SCRIPT, 2, image_data, *NO_BN, "--clip-grad-norm", "1e-4", "--output-dir", tmp_path))
+def test_a_tiny_clip_threshold_changes_the_update(one_pass, image_data, tmp_path):
+    ok(torchrun(SCRIPT, 2, image_data, *NO_BN, "--clip-grad-norm", "1e-4", "--output-dir", tmp_path))
     clipped, plain = (load(d / "checkpoint.pth.tar")["state_dict"] for d in (tmp_path, one_pass[1]))
     assert not torch.allclose(clipped["classifier.1.weight"], plain["classifier.1.weight"])
-    assert metrics(tmp_path)[0]["clipped_percent"] == 100
-    assert re.search(r"^Epoch 0: .* \| clipped 100% of steps \| \d+ img/s$", job.output, re.M), job.output
 
 
 def loop_step(module, model, optimizer, scaler, max_norm, batch):
-    """One train_step of a script on `batch` (inputs, target): forward, scaled backward, clipping, the step.
-    Returns 1 if it clipped."""
+    """One train_step of a script on `batch` (inputs, target): forward, scaled backward, clipping, the step."""
     run = module.RunState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), scaler,
                           None)
     args = types.SimpleNamespace(grad_accum_steps=1, label_smoothing=0.0, clip_grad_norm=max_norm)
-    return float(module.train_step(run, *batch, args)[2])
+    module.train_step(run, *batch, args)
 
 
 def true_gradients(model, batch):
@@ -122,8 +119,7 @@ def test_clipping_sees_the_unscaled_gradients(threshold):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     true = true_gradients(model, batch)
     norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in true]))
-    clipped = loop_step(module, model, optimizer, scaler, threshold * norm.item(), batch)
-    assert clipped == (threshold < 1)
+    loop_step(module, model, optimizer, scaler, threshold * norm.item(), batch)
     factor = min(threshold, 1.0)
     for p, p0, g in zip(model.parameters(), before, true):
         assert torch.allclose(p0 - p.detach(), factor * g, rtol=1e-5, atol=1e-7)
@@ -143,7 +139,7 @@ def test_apex_o2_clips_the_fp32_master_gradients():
     batch = torch.randn(4, 8, dtype=torch.bfloat16), torch.tensor([0, 1, 2, 1])
     true = true_gradients(model, batch)  # in bfloat16 as the model computes them (the loss scale is a power of 2)
     norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in true]))
-    assert loop_step(module, model, optimizer, scaler, 0.5 * norm.item(), batch) == 1
+    loop_step(module, model, optimizer, scaler, 0.5 * norm.item(), batch)
     for master, m0, g in zip(masters, before, true):
         assert torch.allclose(m0 - master.detach(), 0.5 * g, rtol=1e-3, atol=1e-6)
     for p, master in zip(model.parameters(), masters):  # the model computes with the new masters
@@ -237,13 +233,6 @@ def test_compile_trains_and_its_checkpoint_loads_into_a_plain_model_and_evaluate
     assert val_line(ok(python(SCRIPT, image_data, *FAST, "-e", "--resume", tmp_path / "elsewhere.pth")))[0] == loss
 
 
-def test_the_profile_summary_measures_overlaps_of_time_spans():
-    module = import_script(SCRIPT)
-    assert module.span_union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [[0, 4], [5, 6]]
-    assert module.span_common([(0, 4), (5, 6)], [(1, 2), (3, 5.5), (7, 8)]) == [(1, 2), (3, 4), (5, 5.5)]
-    assert module.span_common([(0, 1)], []) == []
-
-
 @pytest.mark.parametrize("no_tf32", [False, True])
 def test_tf32_is_on_unless_no_tf32(no_tf32):
     module = import_script(SCRIPT)
@@ -254,19 +243,6 @@ def test_tf32_is_on_unless_no_tf32(no_tf32):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # torch's defaults
     assert lines == ["TF32: not on the CPU: full fp32"]
-
-
-def test_flags_that_need_another_are_one_clear_line():
-    module = import_script(SCRIPT)
-    for flags, message in ((["--model-ema-decay", "0.9"], "--model-ema-decay goes with --model-ema"),
-                           (["--model-ema-steps", "4"], "--model-ema-steps goes with --model-ema"),
-                           (["--profile-all-ranks"], "--profile-all-ranks goes with --profile"),
-                           (["--profile", "3", "-e"], "--profile records training steps, and -e trains none")):
-        with pytest.raises(module.UserError, match=re.escape(message)):
-            module.parse_args(["--dummy", *flags])
-    args = module.parse_args(["--dummy", "--model-ema"])
-    assert (args.model_ema_decay, args.model_ema_steps) == (0.9998, 1)
-
 
 
 @pytest.mark.quick

