@@ -8,23 +8,21 @@ torch.autocast + GradScaler, fp32 master weights, torch.nn.SyncBatchNorm, DDP. a
     # two nodes (run on each, R = 0 or 1)
     torchrun --nnodes=2 --node-rank=R --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:29400 apex_distributed.py /data/imagenet
-    # CPU demo, no dataset needed (gloo backend; bfloat16: a CPU runs float16's backward slowly)
+    # CPU demo, no dataset needed (gloo; bfloat16: a CPU runs float16's backward slowly); without torchrun: one process
     torchrun --standalone --nproc_per_node=2 apex_distributed.py --dummy --crop-size 64 -b 64 --epochs 3 \
         --half-dtype bfloat16
-    # no launcher: one process
-    python apex_distributed.py --dummy
+
+Rank, local rank and world size come from torchrun's environment. -b is the global batch: W processes take B / W each.
 
 What differs from distributed.py: --opt-level and --half-dtype replace --amp (setup_precision is apex's
 amp.initialize: O1 autocast, O2 a half model with fp32 BatchNorm and fp32 master weights, O3 pure half;
 dynamic loss scaling for float16); checkpoints keep fp32 weights at every level. The rest is apex's recipe already
 (uint8 batches collated as its fast_collate did, normalized once on the device; torch's fused SGD for its FusedSGD).
 
-Read it top to bottom, in three parts: the lesson, which every copier keeps (the command line, build_model and
-build_datasets, the two functions to edit, the launcher part, the training flow main -> main_worker -> train_one_epoch /
-evaluate, what every run needs); optional features, a block each; the safety net. Every block lies between a line
-`# region [NAME]` and a line `# endregion [NAME]`, and every line elsewhere that exists only for it ends with the
-comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a block and its tagged lines, nothing else, and the rest runs;
-delete every block for the core. For the block ema (README: Copy only what you need):
+Three parts: the lesson every copier keeps (command line; build_model and build_datasets, the two functions to edit;
+the launcher part; main -> main_worker -> train_one_epoch / evaluate; what every run needs), optional features, and
+the safety net. A feature or the net lies between `# region [NAME]` and `# endregion [NAME]`, and each line elsewhere
+that exists only for it ends with `# [NAME]`: delete those, and the rest runs (README: Copy only what you need):
 
     sed -E -i '/^ *# region \[ema\]/,/^ *# endregion \[ema\]/d; /#( \[[a-z0-9-]+\])* \[ema\]( \[[a-z0-9-]+\])*$/d' FILE
 """
@@ -67,14 +65,11 @@ from torchvision.transforms import v2
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     add = p.add_argument
-    add("data", nargs="?", metavar="DIR",
-        help="ImageFolder root with train/ and val/ (not needed with --dummy; with --dataset, its function's)")
-    add("--dataset", default=None, metavar="MODULE:FUNCTION",  # [spec]
-        help="your own data: FUNCTION(args) returns (train_set, val_set) (README: Your own data and model)")  # [spec]
+    add("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (or --dummy, --dataset)")
+    add("--dataset", metavar="MODULE:FUNCTION", help="your own data: FUNCTION(args) -> (train_set, val_set)")  # [spec]
     add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
     add("--dummy-size", type=number(int, 1), default=1280, metavar="N", help="--dummy's training images")
-    add("-a", "--arch", default="resnet18", metavar="ARCH",
-        help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
+    add("-a", "--arch", default="resnet18", help="a torchvision classifier, or MODULE:FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")  # [pretrained]
     add("--dropout", type=number(float, 0, 1), default=None, help="for models that take one (0: off)")
     add("--num-classes", type=number(int, 1), default=None, metavar="N", help="default: the train set's")
@@ -89,9 +84,8 @@ def parse_args(argv=None):
     add("--lr-schedule", choices=("step", "cosine"), default="step", help="decay, per step")  # [lr-schedule]
     add("--lr-step", type=number(int, 1), default=30, help="epochs between step decays (/10)")
     add("--warmup-epochs", type=number(float, 0), default=0.0, help="linear, from 0 to --lr")  # [lr-schedule]
-    add("--crop-size", type=number(int, 1), default=None, help="default: 224; with --dataset, its images' size")
-    add("--val-resize", type=number(int, 1), default=None,
-        help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
+    add("--crop-size", type=number(int, 1), help="default: 224; with --dataset, its images' size")
+    add("--val-resize", type=number(int, 1), help="validation resize before the center crop (default: crop x 8/7)")
     add("--opt-level", choices=("O0", "O1", "O2", "O3"), default="O1",
         help="apex's levels: O0 fp32, O1 autocast, O2 half model + fp32 master weights, O3 pure half")
     add("--half-dtype", choices=("float16", "bfloat16"), default="float16",
@@ -100,24 +94,20 @@ def parse_args(argv=None):
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
-    add("--grad-accum-steps", type=number(int, 1), default=1, metavar="K",
-        help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
+    add("--grad-accum-steps", type=number(int, 1), default=1, metavar="K", help="K micro-batches per step")
     add("--label-smoothing", type=number(float, 0, 1), default=0.0, help="in the training loss only")
     add("--clip-grad-norm", type=number(float, 0), metavar="X", help="max gradient norm")  # [clip-grad-norm]
     add("--model-ema", action="store_true", help="an exponential moving average of the weights, evaluated too")  # [ema]
     add("--model-ema-decay", type=number(float, 0, 1), default=0.9998, metavar="D")  # [ema]
     add("--model-ema-steps", type=number(int, 1), default=1, metavar="N", help="steps between updates")  # [ema]
-    add("--profile", type=number(int, 1), metavar="STEPS",  # [profile]
-        help="torch.profiler over STEPS training steps: a trace, and where the time went")  # [profile]
-    add("--profile-all-ranks", action="store_true", help="with --profile: all ranks trace")  # [profile]
+    add("--profile", type=number(int, 1), metavar="STEPS", help="torch.profiler's trace of STEPS steps")  # [profile]
     add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
     add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent results")
     add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")  # [deterministic]
     add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
-    add("--benchmark", type=number(int, 0), default=0, metavar="N",  # [benchmark]
-        help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
+    add("--benchmark", type=number(int, 0), default=0, metavar="N", help="N steps without data loading")  # [benchmark]
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
     add("--dist-timeout", type=number(float, 1), default=1800, help="seconds a collective waits on a peer")
     add("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # torch.distributed.launch's
@@ -348,10 +338,11 @@ def train_step(run, images, target, args):
             run.scaler.scale(loss / chunks).backward()  # fp16: the loss scaled up, so that no gradient underflows
         loss_sum = loss_sum + loss.detach().float() * target_part.numel()
         outputs.append(output.detach().float())
-    if args.clip_grad_norm:  # [clip-grad-norm]
-        run.scaler.unscale_(run.optimizer)  # [clip-grad-norm]
-        params = [p for group in run.optimizer.param_groups for p in group["params"]]  # [clip-grad-norm]
-        torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)  # [clip-grad-norm]
+    # region [clip-grad-norm]: --clip-grad-norm caps the gradients' norm: the true one, unscaled (FSDP: of all shards)
+    if args.clip_grad_norm:
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_grad_norm)
+    # endregion [clip-grad-norm]
     run.scaler.step(run.optimizer)  # unscales the gradients, and skips the step if one is inf/NaN
     run.scaler.update()
     run.scheduler.step()
@@ -1029,8 +1020,7 @@ def set_tf32(args):
 # endregion [tf32]
 # region [compile]: --compile: the model that trains, compiled by torch.compile
 def compile_model(model):
-    """The wrapped model, compiled (DDP's buckets split the graph: each all-reduce still overlaps backward). Inductor's
-    relayout of those graphs fails a convolution's backward stride check on CUDA (torch 2.11): it stays off."""
+    """The wrapped model, compiled; inductor's relayout, which fails a convolution's backward under DDP, stays off."""
     torch._inductor.config.layout_optimization = False
     return torch.compile(model)
 # endregion [compile]

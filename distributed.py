@@ -247,10 +247,11 @@ def train_step(run, images, target, args):
             run.scaler.scale(loss / chunks).backward()  # fp16: the loss scaled up, so that no gradient underflows
         loss_sum = loss_sum + loss.detach().float() * target_part.numel()
         outputs.append(output.detach().float())
-    if args.clip_grad_norm:  # [clip-grad-norm]
-        run.scaler.unscale_(run.optimizer)  # [clip-grad-norm]
-        params = [p for group in run.optimizer.param_groups for p in group["params"]]  # [clip-grad-norm]
-        torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)  # [clip-grad-norm]
+    # region [clip-grad-norm]: --clip-grad-norm caps the gradients' norm: the true one, unscaled (FSDP: of all shards)
+    if args.clip_grad_norm:
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_grad_norm)
+    # endregion [clip-grad-norm]
     run.scaler.step(run.optimizer)  # unscales the gradients, and skips the step if one is inf/NaN
     run.scaler.update()
     run.scheduler.step()
@@ -929,8 +930,7 @@ def set_tf32(args):
 # endregion [tf32]
 # region [compile]: --compile: the model that trains, compiled by torch.compile
 def compile_model(model):
-    """The wrapped model, compiled (DDP's buckets split the graph: each all-reduce still overlaps backward). Inductor's
-    relayout of those graphs fails a convolution's backward stride check on CUDA (torch 2.11): it stays off."""
+    """The wrapped model, compiled; inductor's relayout, which fails a convolution's backward under DDP, stays off."""
     torch._inductor.config.layout_optimization = False
     return torch.compile(model)
 # endregion [compile]

@@ -8,26 +8,23 @@ instead of a whole copy: for models (ViT-H, large ConvNeXts with AdamW) that one
     # two nodes (run on each, R = 0 or 1); --replicate-nodes: shard within a node, replicate across nodes
     torchrun --nnodes=2 --node-rank=R --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:29400 fsdp_distributed.py /data/imagenet --replicate-nodes
-    # CPU demo, no dataset needed (gloo backend)
+    # CPU demo, no dataset needed (gloo backend); without torchrun: one process
     torchrun --standalone --nproc_per_node=2 fsdp_distributed.py --dummy --crop-size 64 -b 64 --epochs 3
     # export the full weights of a sharded checkpoint, for distributed.py or any other script
     torchrun --standalone --nproc_per_node=2 fsdp_distributed.py --dummy -e --resume output/checkpoint.dcp \
         --export full.pth.tar
 
-Rank, local rank and world size come from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE); the deprecated
-torch.distributed.launch's --local-rank=N is accepted. -b is the global batch: each of W processes takes B / W.
+Rank, local rank and world size come from torchrun's environment. -b is the global batch: W processes take B / W each.
 
 What differs from distributed.py: prepare_model shards each block of the model and the rest (fully_shard) instead of
 DDP's wrapping; --amp is a MixedPrecisionPolicy (weights gathered and computed in the half dtype, gradients reduced
 in fp32), not autocast; the checkpoint is a folder of shards that every rank writes its part of, and that loads on
 any number of processes (torch.distributed.checkpoint); model_best.pth.tar and --export hold the full weights.
 
-Read it top to bottom, in three parts: the lesson, which every copier keeps (the command line, build_model and
-build_datasets, the two functions to edit, the launcher part, the training flow main -> main_worker -> train_one_epoch /
-evaluate, what every run needs); optional features, a block each; the safety net. Every block lies between a line
-`# region [NAME]` and a line `# endregion [NAME]`, and every line elsewhere that exists only for it ends with the
-comment `# [NAME]` (`# [a] [b]`: for a and for b). Delete a block and its tagged lines, nothing else, and the rest runs;
-delete every block for the core. For the block ema (README: Copy only what you need):
+Three parts: the lesson every copier keeps (command line; build_model and build_datasets, the two functions to edit;
+the launcher part; main -> main_worker -> train_one_epoch / evaluate; what every run needs), optional features, and
+the safety net. A feature or the net lies between `# region [NAME]` and `# endregion [NAME]`, and each line elsewhere
+that exists only for it ends with `# [NAME]`: delete those, and the rest runs (README: Copy only what you need):
 
     sed -E -i '/^ *# region \[ema\]/,/^ *# endregion \[ema\]/d; /#( \[[a-z0-9-]+\])* \[ema\]( \[[a-z0-9-]+\])*$/d' FILE
 """
@@ -76,14 +73,11 @@ from torchvision.transforms import v2
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     add = p.add_argument
-    add("data", nargs="?", metavar="DIR",
-        help="ImageFolder root with train/ and val/ (not needed with --dummy; with --dataset, its function's)")
-    add("--dataset", default=None, metavar="MODULE:FUNCTION",  # [spec]
-        help="your own data: FUNCTION(args) returns (train_set, val_set) (README: Your own data and model)")  # [spec]
+    add("data", nargs="?", metavar="DIR", help="ImageFolder root with train/ and val/ (or --dummy, --dataset)")
+    add("--dataset", metavar="MODULE:FUNCTION", help="your own data: FUNCTION(args) -> (train_set, val_set)")  # [spec]
     add("--dummy", action="store_true", help="train on a synthetic, learnable dataset instead of DIR")
     add("--dummy-size", type=number(int, 1), default=1280, metavar="N", help="--dummy's training images")
-    add("-a", "--arch", default="resnet18", metavar="ARCH",
-        help="any torchvision classification model, or your own: MODULE:FUNCTION, called FUNCTION(num_classes=N)")
+    add("-a", "--arch", default="resnet18", help="a torchvision classifier, or MODULE:FUNCTION(num_classes=N)")
     add("--pretrained", action="store_true", help="start from the model's default torchvision weights")  # [pretrained]
     add("--dropout", type=number(float, 0, 1), default=None, help="for models that take one (0: off)")
     add("--num-classes", type=number(int, 1), default=None, metavar="N", help="default: the train set's")
@@ -98,32 +92,27 @@ def parse_args(argv=None):
     add("--lr-schedule", choices=("step", "cosine"), default="step", help="decay, per step")  # [lr-schedule]
     add("--lr-step", type=number(int, 1), default=30, help="epochs between step decays (/10)")
     add("--warmup-epochs", type=number(float, 0), default=0.0, help="linear, from 0 to --lr")  # [lr-schedule]
-    add("--crop-size", type=number(int, 1), default=None, help="default: 224; with --dataset, its images' size")
-    add("--val-resize", type=number(int, 1), default=None,
-        help="validation images are resized to this, then center-cropped (default: --crop-size x 8/7, 256 for 224)")
+    add("--crop-size", type=number(int, 1), help="default: 224; with --dataset, its images' size")
+    add("--val-resize", type=number(int, 1), help="validation resize before the center crop (default: crop x 8/7)")
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--no-tf32", action="store_true", help="full fp32 matmuls and convolutions, not TF32")  # [tf32]
     add("--compile", action="store_true", help="torch.compile the model that trains (the wrapped one)")  # [compile]
-    add("--grad-accum-steps", type=number(int, 1), default=1, metavar="K",
-        help="split each process's batch into K micro-batches, all-reduced once per optimizer step (less memory)")
+    add("--grad-accum-steps", type=number(int, 1), default=1, metavar="K", help="K micro-batches per step")
     add("--label-smoothing", type=number(float, 0, 1), default=0.0, help="in the training loss only")
     add("--clip-grad-norm", type=number(float, 0), metavar="X", help="max gradient norm")  # [clip-grad-norm]
     add("--model-ema", action="store_true", help="an exponential moving average of the weights, evaluated too")  # [ema]
     add("--model-ema-decay", type=number(float, 0, 1), default=0.9998, metavar="D")  # [ema]
     add("--model-ema-steps", type=number(int, 1), default=1, metavar="N", help="steps between updates")  # [ema]
-    add("--profile", type=number(int, 1), metavar="STEPS",  # [profile]
-        help="torch.profiler over STEPS training steps: a trace, and where the time went")  # [profile]
-    add("--profile-all-ranks", action="store_true", help="with --profile: all ranks trace")  # [profile]
+    add("--profile", type=number(int, 1), metavar="STEPS", help="torch.profiler's trace of STEPS steps")  # [profile]
     add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
     add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent results")
     add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")  # [deterministic]
     add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
-    add("--benchmark", type=number(int, 0), default=0, metavar="N",  # [benchmark]
-        help="train N steps on synthetic batches on the device (no data loading), print img/s, exit")  # [benchmark]
+    add("--benchmark", type=number(int, 0), default=0, metavar="N", help="N steps without data loading")  # [benchmark]
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
     add("--dist-timeout", type=number(float, 1), default=1800, help="seconds a collective waits on a peer")
     add("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
@@ -200,8 +189,7 @@ def find_processes(args, local_index):
 
 
 def start_process_group(args, rank, world_size, device, log):
-    """Starts the process group (one of a single process without torchrun: fully_shard needs one); returns the CPU
-    group for preemption, None for one process."""
+    """Starts the process group (for one process too: fully_shard needs one); returns it, or None for one process."""
     if "WORLD_SIZE" not in os.environ:
         join_process_group(args, dist.HashStore(), 0, 1, device)
         return None
@@ -313,7 +301,7 @@ def wrap_model(model, args, device, amp_dtype):
 
 def train_step(run, images, target, args):
     """One optimizer step on this process's batch, in --grad-accum-steps micro-batches (FSDP reduce-scatters in the
-    last one's backward only). Returns the loss summed over the batch and the outputs."""
+    last one's backward only). Returns the loss summed over the batch, and the outputs."""
     chunks, loss_sum, outputs = args.grad_accum_steps, 0, []
     run.optimizer.zero_grad()  # frees the gradients (set_to_none, torch 2's default; Horovod's takes no arguments)
     for i, (images_part, target_part) in enumerate(zip(images.chunk(chunks), target.chunk(chunks))):
@@ -324,9 +312,12 @@ def train_step(run, images, target, args):
         run.scaler.scale(loss / chunks).backward()  # fp16: the loss scaled up, so that no gradient underflows
         loss_sum = loss_sum + loss.detach().float() * target_part.numel()
         outputs.append(output.detach().float())
-    if args.clip_grad_norm:  # [clip-grad-norm]
-        clip_gradients(run, args)  # [clip-grad-norm]
-    run.scaler.step(run.optimizer)  # unscales (unless clipping did), and skips the step if a gradient is inf/NaN
+    # region [clip-grad-norm]: --clip-grad-norm caps the gradients' norm: the true one, unscaled (FSDP: of all shards)
+    if args.clip_grad_norm:
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_grad_norm)
+    # endregion [clip-grad-norm]
+    run.scaler.step(run.optimizer)  # unscales the gradients, and skips the step if one is inf/NaN
     run.scaler.update()
     run.scheduler.step()
     if run.ema and run.scheduler.last_epoch % args.model_ema_steps == 0:  # [ema]
@@ -511,9 +502,8 @@ def main_worker(args, local_index=None):
 
 
 class RunState:
-    """What a run carries from step to step and resumes: model, optimizer, scheduler, loss scaler, epoch and step,
-    best accuracy, random states. It alone writes and reads the checkpoint format: a folder of shards (save_sharded),
-    and the full weights in model_best.pth.tar and --export."""
+    """What a run carries from step to step and resumes; it alone writes and reads the checkpoint format: a folder of
+    shards (save_sharded), and the full weights in model_best.pth.tar and --export."""
 
     def __init__(self, model, optimizer, scheduler, scaler, amp_dtype):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
@@ -552,7 +542,7 @@ class RunState:
                 raise cannot_write(e, os.path.dirname(os.path.abspath(path)), "the full weights", state, flag)
 
     def load_state_dict(self, ckpt, args, rank, world_size):
-        """Everything back from a checkpoint, only the weights for --evaluate: each rank reads its shards from the
+        """Everything back from a checkpoint; only the weights for --evaluate. Each rank reads its shards from the
         folder, resharded when another number of processes wrote it; or, for -e, cuts them out of a file's weights."""
         if "shards" not in ckpt:
             set_model_state_dict(self.model, ckpt["state_dict"], options=StateDictOptions(full_state_dict=True))
@@ -1079,8 +1069,7 @@ def set_tf32(args):
 # endregion [tf32]
 # region [compile]: --compile: the model that trains, compiled by torch.compile
 def compile_model(model):
-    """The wrapped model, compiled (DDP's buckets split the graph: each all-reduce still overlaps backward). Inductor's
-    relayout of those graphs fails a convolution's backward stride check on CUDA (torch 2.11): it stays off."""
+    """The wrapped model, compiled; inductor's relayout, which fails a convolution's backward under DDP, stays off."""
     torch._inductor.config.layout_optimization = False
     return torch.compile(model)
 # endregion [compile]

@@ -923,8 +923,7 @@ def set_tf32(args):
 # endregion [tf32]
 # region [compile]: --compile: the model that trains, compiled by torch.compile
 def compile_model(model):
-    """The wrapped model, compiled (DDP's buckets split the graph: each all-reduce still overlaps backward). Inductor's
-    relayout of those graphs fails a convolution's backward stride check on CUDA (torch 2.11): it stays off."""
+    """The wrapped model, compiled; inductor's relayout, which fails a convolution's backward under DDP, stays off."""
     torch._inductor.config.layout_optimization = False
     return torch.compile(model)
 # endregion [compile]

@@ -27,14 +27,11 @@ delete every block for the core. For the block logs (README: Copy only what you 
   sed -E -i '/^ *# region \[logs\]/,/^ *# endregion \[logs\]/d; /#( \[[a-z0-9-]+\])* \[logs\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
-import atexit  # [logs]
-import contextlib
 import ctypes  # [preemption]
 import datetime
 import gc
 import fcntl  # [safety]
 import hashlib  # [safety]
-import inspect  # [sync-bn]
 import itertools
 import json  # [logs]
 import math
@@ -43,11 +40,8 @@ import os
 import random
 import shutil
 import signal
-import socket  # [safety]
 import sys
-import threading  # [logs]
 import time
-import traceback  # [safety]
 
 import numpy as np
 import torch
@@ -67,36 +61,36 @@ def parse_args(argv=None):
     add = p.add_argument
     add("data", nargs="?", metavar="DIR", help="train/images, train/labels, val/images, val/labels (or --synthetic)")
     add("--synthetic", action="store_true", help="train on generated ellipsoids in noise instead of DIR")
-    add("--synthetic-size", type=int, default=40, metavar="N", help="--synthetic's training volumes (val: N/4)")
-    add("--synthetic-shape", type=int, nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"))
-    add("--patch-size", type=int, nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
+    add("--synthetic-size", type=number(int, 1), default=40, metavar="N", help="train volumes (val: N/4)")
+    add("--synthetic-shape", type=number(int, 1), nargs=3, default=(40, 176, 176), metavar=("D", "H", "W"))
+    add("--patch-size", type=number(int, 1), nargs=3, default=(32, 160, 160), metavar=("D", "H", "W"),
         help="training patch and evaluation tile, each side a multiple of 2**(depth-1); smaller volumes are padded")
-    add("--patches-per-volume", type=int, default=4, help="random patches from each training volume per epoch")
-    add("--base-channels", type=int, default=16, help="channels of the first U-Net level, doubled at every level below")
-    add("--depth", type=int, default=4, help="U-Net levels (depth-1 poolings)")
+    add("--patches-per-volume", type=number(int, 1), default=4, help="random patches per volume and epoch")
+    add("--base-channels", type=number(int, 1), default=16, help="first level's channels (x2 per level)")
+    add("--depth", type=number(int, 1), default=4, help="U-Net levels (depth-1 poolings)")
     add("--norm", choices=("batch", "group"), default="batch", help="normalization layer after every convolution")
-    add("-j", "--workers", type=int, default=4, help="loader processes per training process")
-    add("--epochs", type=int, default=100)
-    add("-b", "--batch-size", type=int, default=4, help="global batch of patches, divided over the processes")
-    add("--eval-batch", type=int, default=2, help="tiles per forward pass when evaluating whole volumes")
-    add("--lr", type=float, default=2e-4, help="Adam learning rate")
-    add("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    add("--milestones", type=int, nargs="*", default=[60, 80], help="epochs at which the lr is multiplied by --gamma")
-    add("--gamma", type=float, default=0.1)
+    add("-j", "--workers", type=number(int, 0), default=4, help="loader processes per training process")
+    add("--epochs", type=number(int, 0), default=100)
+    add("-b", "--batch-size", type=number(int, 1), default=4, help="global batch of patches")
+    add("--eval-batch", type=number(int, 1), default=2, help="tiles per forward pass when evaluating whole volumes")
+    add("--lr", type=number(float, 0), default=2e-4, help="Adam learning rate")
+    add("--wd", "--weight-decay", type=number(float, 0), default=1e-4, dest="weight_decay")
+    add("--milestones", type=number(int, 1), nargs="*", default=[60, 80], help="epochs at which lr *= gamma")
+    add("--gamma", type=number(float, 0), default=0.1)
     add("--amp", action="store_true", help="autocast to fp16 with a GradScaler (on a CPU: for tests, slow)")
     add("--sync-bn", action="store_true", help="SyncBatchNorm across processes (CUDA only)")  # [sync-bn]
     add("--resume", default="", metavar="PATH|auto", help="checkpoint to resume from; auto: the one in --output-dir")
     add("-e", "--evaluate", action="store_true", help="evaluate the model (e.g. with --resume) and exit")
     add("--output-dir", default="output", help="checkpoints, metrics.jsonl and tb/")
-    add("--seed", type=int, default=0, help="same seed, same data and world-size-independent patches")
+    add("--seed", type=number(int, 0), default=0, help="same seed, same data and world-size-independent patches")
     add("--deterministic", action="store_true", help="use deterministic algorithms (slower)")  # [deterministic]
-    add("-p", "--print-freq", type=int, default=10, help="steps between progress lines")
+    add("-p", "--print-freq", type=number(int, 1), default=10, help="steps between progress lines")
     add("--dist-backend", default=None, help="default: nccl with CUDA, else gloo")
-    add("--dist-timeout", type=float, default=1800, help="seconds a collective waits on a peer")
+    add("--dist-timeout", type=number(float, 1), default=1800, help="seconds a collective waits on a peer")
     add("--local-rank", "--local_rank", type=int, help=argparse.SUPPRESS)  # torch.distributed.launch's
     args = p.parse_args(argv)
     unit = 2 ** (args.depth - 1)  # [safety]
-    if any(side <= 0 or side % unit for side in args.patch_size):  # [safety]
+    if any(side % unit for side in args.patch_size):  # [safety]
         p.error(f"--patch-size: with --depth {args.depth} each side must be a multiple of {unit}")  # [safety]
     if args.synthetic and args.data:  # [safety]
         p.error(f"--synthetic generates its volumes, and {args.data} names a folder: give one of them")  # [safety]
@@ -256,8 +250,8 @@ def main_worker(args, local_index=None):
     torch.backends.cudnn.benchmark = True  # cuDNN times its kernels for each new input shape, keeps the fastest
     set_deterministic(args)  # [deterministic]
     rank, local_rank, world_size, device = find_processes(args, local_index)
-    log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *text: None)
-    log = print_or_drop if rank == 0 else log  # [preemption]
+    log = (lambda *text: print(*text, flush=True)) if rank == 0 else (lambda *_: None)
+    log = print_or_drop if rank == 0 else log  # [safety]
     preemption = Preemption()  # [preemption]
 
     train_set, val_set = build_datasets(args)
@@ -268,16 +262,16 @@ def main_worker(args, local_index=None):
     config = model_config(args, train_set.channels)
     ckpt_path = resume_path(args)
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
-    check_resume(ckpt_path, ckpt, config, train_set, args)  # [safety]
-    claim_output_dir(args, rank, log)  # [safety]
+    check_checkpoint(ckpt_path, ckpt, config, train_set, args)  # [safety]
+    claim_output_dir(args, rank)  # [safety]
     set_seed(args.seed)
     model = UNet3D(**config)  # the same initial weights on every rank
     set_seed(args.seed + rank)  # but each rank its own random draws
     preemption.catch(False)  # [preemption]
-    ctrl_c = signal.getsignal(signal.SIGINT)  # [safety]
-    signal.signal(signal.SIGINT, signal.SIG_IGN if ctrl_c is signal.SIG_IGN else signal.SIG_DFL)  # [safety]
+    ctrl_c = signal.getsignal(signal.SIGINT)  # Ctrl-C ends the rendezvous' wait at once: no Python handler runs there
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ctrl_c is signal.SIG_IGN else signal.SIG_DFL)
     group = start_process_group(args, rank, world_size, device, log)
-    signal.signal(signal.SIGINT, ctrl_c)  # [safety]
+    signal.signal(signal.SIGINT, ctrl_c)
     preemption.group = group  # [preemption]
     preemption.catch(True)  # [preemption]
     check_ranks_agree(args, (train_set, val_set), ckpt)  # [safety]
@@ -327,7 +321,7 @@ def main_worker(args, local_index=None):
         row = {"epoch": epoch, "train_loss": train["loss"], "train_dice": train["dice"],  # [logs]
                **{f"val_{key}": val[key] for key in ("loss", "dice", "iou", "dice_per_volume")},  # [logs]
                "lr": lr, "img_per_s": train["count"] / train_seconds, "seconds": time.monotonic() - started}  # [logs]
-        if rank == 0:  # [logs]
+        if writer:  # [logs]
             write_epoch(row, writer, args.output_dir)  # [logs]
         log(f"Epoch {epoch}: train loss {train['loss']:.4f} dice {train['dice']:.4f} | val loss {val['loss']:.4f} "
             f"dice {val['dice']:.4f} iou {val['iou']:.4f} dice/volume {val['dice_per_volume']:.4f} | "
@@ -944,6 +938,32 @@ def explain_unreadable_volume(read_volume):
             reason = " ".join(str(e).split())[:200] or type(e).__name__  # on one line
             raise RankError(f"cannot read volume {path}: {reason}") from None
     return named
+
+
+def check_checkpoint(path, ckpt, config, train_set, args):
+    """distributed.py's check_resume, for the U-Net: -e with no trained weights to evaluate, and a checkpoint the
+    command line does not fit: another U-Net (--base-channels, --depth, --norm, input channels), flags whose values its
+    state holds (given anew, they would be ignored; --seed drew the order of an epoch it goes on with), or a training
+    set of another size (its step and schedule count that set's patches)."""
+    if args.evaluate and not ckpt:
+        where = f"--output-dir {args.output_dir} holds no checkpoint" if args.resume else "no --resume PATH is given"
+        raise UserError(f"-e evaluates trained weights, and {where}: give --resume PATH, or the --output-dir of "
+                        f"the run")
+    if not ckpt:
+        return
+    if ckpt.get("arch") != "unet3d" or ckpt.get("model") != config:
+        raise UserError(f"{path} holds {ckpt.get('arch')} {ckpt.get('model')}, not a 3D U-Net of {config}: give "
+                        f"the flags it was trained with, or another checkpoint")
+    trained = ckpt.get("args", {}) if not args.evaluate else {}
+    for flag in ("batch_size", "lr", "weight_decay", "milestones", "gamma", "seed"):
+        if flag in trained and trained[flag] != getattr(args, flag):
+            name = "--" + flag.replace("_", "-")
+            raise UserError(f"{path} was trained with {name} {trained[flag]}, this run has {name} "
+                            f"{getattr(args, flag)}: continue it with {name} {trained[flag]}, or train without "
+                            f"--resume")
+    if ckpt.get("train_samples", len(train_set)) != len(train_set) and not args.evaluate:
+        raise UserError(f"{path} was trained on {ckpt['train_samples']} training volumes, this run has "
+                        f"{len(train_set)}: resume with the data it was trained on, or train without --resume")
 
 
 def explain_failed_save(save_checkpoint):

@@ -76,7 +76,7 @@ def examples_pipeline():
 def repository_pipeline(script):
     args = argparse.Namespace(crop_size=224, val_resize=256, dummy=True, dummy_size=1, dataset=None)
     train_tf = script.build_datasets(args)[0].transform
-    return (lambda path: train_tf(script.load_image(path))), functools.partial(script.collate, num_classes=1)
+    return (lambda path: train_tf(script.load_image(path))), script.collate
 
 
 def decode_only(decoder):

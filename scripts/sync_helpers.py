@@ -57,20 +57,21 @@ OWN = {
                             "read_checkpoint"},
     "apex_distributed.py": {"parse_args", "setup_precision"},
     # another task than ImageNet: it shares the launcher part and the task-independent appendix helpers
-    "unet3d_apex.py": {"parse_args", "check_args", "describe_processes", "prepare_model",
+    "unet3d_apex.py": {"parse_args", "describe_processes", "prepare_model",
                        "build_optimizer", "setup_precision", "train_step", "main_worker", "RunState", "train_one_epoch",
-                       "check_finite", "evaluate", "build_datasets", "build_loaders", "load_checkpoint", "check_run"},
+                       "check_finite", "evaluate", "build_datasets", "build_loaders", "check_run"},
 }
 # shared names a sibling has no use for: no process group of torch.distributed's; unet3d_apex.py: not ImageNet
 NOT_CARRIED = {"dataparallel.py": {"join_process_group"},
                "horovod_distributed.py": {"join_process_group"},
                "unet3d_apex.py": {"build_model", "class_count", "NORMALIZE", "load_image", "collate",
-                                  "SyntheticImages", "DeviceBatches", "accuracy", "Metrics", "lr_factor", "average_model", "load_pretrained",
-                                  "foreign_weights", "param_groups", "warmup_or_cosine", "set_tf32", "compile_model",
-                                  "start_profiler", "benchmark", "memory_use", "JPEG_DECODER", "decode_file",
-                                  "RandomResizedCropFlip", "call_spec", "image_size", "ImageCrops",
-                                  "explain_unreadable_image", "check_image_folder", "check_resume", "check_items",
-                                  "label_fits"}}
+                                  "SyntheticImages", "DeviceBatches", "accuracy", "Metrics", "lr_factor",
+                                  "average_model", "load_pretrained", "foreign_weights", "param_groups",
+                                  "warmup_or_cosine", "set_tf32", "compile_model", "start_profiler", "benchmark",
+                                  "memory_use", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip", "call_spec",
+                                  "image_size", "ImageCrops", "explain_unreadable_image", "check_image_folder",
+                                  "check_resume", "check_items", "label_fits"}}
+
 
 def units(source):
     """The file in pieces: (header, [(key, leading, text)], tail). header: the docstring and imports; each unit a

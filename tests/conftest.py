@@ -235,7 +235,7 @@ def linear(num_classes):
 
 
 OWN_ROWS = '''
-import os, resource, signal, torch
+import os, signal, torch
 def rows(args):  # learnable: the label is the sign of the first feature
     inputs = torch.randn(64, 20, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.TensorDataset(inputs, (inputs[:, 0] > 0).long())
@@ -361,6 +361,18 @@ def assert_same_tensors(a, b, exact=True, rtol=1e-4, atol=1e-6):
             assert_same_tensors(x, y, exact, rtol, atol)
 
 
+def ema_weights(ckpt):
+    """The --model-ema average of a checkpoint as the model's own state dict (the checkpoint holds swa_utils'
+    AveragedModel's: the model's under "module.", and the count of its updates)."""
+    return {k.removeprefix("module."): v for k, v in ckpt["model_ema"].items() if k != "n_averaged"}
+
+
+def profile_traces(out):
+    """The --profile traces in `out`, by rank: the events of each (Perfetto's format, which TensorBoard reads too)."""
+    found = {int(path.name.split(".")[0].removeprefix("rank")): path for path in (out / "profile").iterdir()}
+    return {rank: json.loads(found[rank].read_text())["traceEvents"] for rank in sorted(found)}
+
+
 def assert_same_run(out, reference, epochs=EPOCHS):
     """Same weights and optimizer state bit for bit, same metrics.jsonl but for the timings."""
     a, b = load(out / "checkpoint.pth.tar"), load(reference / "checkpoint.pth.tar")
@@ -483,13 +495,13 @@ def process_group():
 
 @pytest.fixture(scope="session")
 def small_disk(tmp_path_factory):
-    """mount(size, read_only=False): a folder on a tmpfs of its own (the tests run as root, as in CI)."""
+    """mount(size): a folder on a tmpfs of its own (the tests run as root, as in CI)."""
     mounted = []
 
-    def mount(size, read_only=False):
+    def mount(size):
         folder = tmp_path_factory.mktemp("disk")
-        options = f"size={size}" + (",ro" if read_only else "")
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", folder], capture_output=True, text=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder], capture_output=True,
+                              text=True)
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here (root needed): {done.stderr.strip()}")
         mounted.append(folder)

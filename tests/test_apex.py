@@ -1,13 +1,14 @@
 """apex_distributed.py under torchrun on CPU, in bfloat16 (float16's backward is slow on a CPU; tests/test_one_path.py
-runs O2 and O3 in float16): apex's opt levels O0-O3, O2's fp32 master weights and their bit-exact resume, and a
-broken apex on the path."""
+runs O2 and O3 in float16): apex's opt levels O0-O3, O2's fp32 master weights, their clipped gradients and their
+bit-exact resume, and a broken apex on the path."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torchvision
 
-from conftest import CHECKPOINT_KEYS, FAST, assert_same_tensors, load, metrics, ok, torchrun
+from conftest import CHECKPOINT_KEYS, FAST, assert_same_tensors, import_script, load, metrics, ok, torchrun
 
 SCRIPT = "apex_distributed.py"
 BF16 = ["--half-dtype", "bfloat16"]
@@ -95,3 +96,20 @@ def test_o3_trains_in_pure_half_with_loader_workers_and_channels_last(image_data
     weights = floating(load(tmp_path / "checkpoint.pth.tar")["state_dict"])
     # saved as fp32, every value one that bfloat16 holds exactly: the model was half throughout, BatchNorm too
     assert all(v.dtype == torch.float32 and torch.equal(v, v.bfloat16().float()) for v in weights.values())
+
+
+def test_o2_clips_the_gradients_of_the_master_weights():
+    """--clip-grad-norm at O2: once unscaled, the gradients are the fp32 masters' (the model's are freed), and theirs
+    is the norm capped. SGD with --lr 1 and neither momentum nor decay: the step is the clipped gradient."""
+    script = import_script(SCRIPT)
+    args = script.parse_args(["--dummy", "--opt-level", "O2", *BF16, "--clip-grad-norm", "0.001", "--lr", "1",
+                              "--momentum", "0", "--wd", "0"])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = script.build_optimizer(model, args, torch.device("cpu"), print)
+    amp_dtype, scaler = script.setup_precision(model, optimizer, args, torch.device("cpu"), print)
+    before = [master.detach().clone() for _, master in scaler.masters.values()]
+    run = SimpleNamespace(model=model, train_model=model, optimizer=optimizer, scaler=scaler, amp_dtype=amp_dtype,
+                          scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), ema=None)
+    script.train_step(run, torch.randn(16, 4) * 100, torch.randint(0, 2, (16,)), args)
+    step = torch.cat([(master - old).flatten() for (_, master), old in zip(scaler.masters.values(), before)])
+    assert 0 < step.norm() <= 0.001 * 1.001, step.norm()

@@ -3,13 +3,14 @@ a range (the scripts' `number` type), and a value outside it, or no number of it
 naming the flag, exit code 2. A new numeric flag without a range fails here."""
 import argparse
 import inspect
+import math
 import subprocess
 import sys
 from unittest import mock
 
 import pytest
 
-from conftest import FAST, OUTPUT_FILES, ROOT, import_script, metrics
+from conftest import ROOT, import_script
 
 pytestmark = pytest.mark.quick
 SCRIPTS = ["distributed.py", "multiprocessing_distributed.py", "dataparallel.py", "apex_distributed.py",
@@ -55,7 +56,7 @@ def outside(kind, low, high):
     """Values just outside a number's range, and values that are no number of its kind."""
     values = ["x", "1.5"] if kind is int else ["x", "nan"]
     values += [str(low - (1 if kind is int else 1e-3))]
-    return values + ([] if high is None else [str(high)])
+    return values + ([] if high in (None, math.inf) else [str(high)])
 
 
 def test_every_option_that_takes_a_value_has_a_range_or_choices(script):
@@ -85,57 +86,8 @@ def test_a_value_out_of_range_from_the_command_line(tmp_path):
     done = subprocess.run([sys.executable, ROOT / "distributed.py", "--dummy", "--lr", "-1"], capture_output=True,
                           text=True, cwd=tmp_path)
     assert done.returncode == 2 and done.stdout == "", done
-    assert done.stderr.endswith("distributed.py: error: argument --lr: -1 is out of range: give float >= 0\n"), done
-
-
-# script, its flags, its whole stderr: the flags that a launcher checks its own way
-REFUSED = [
-    ("multiprocessing_distributed.py", ["--node-rank", "2", "--world-size", "2"],
-     "--node-rank 2 with --world-size 2: node ranks go from 0 to 1"),
-    ("multiprocessing_distributed.py", ["--gpus", "0,x"], "--gpus 0,x: give comma-separated GPU ids, e.g. 0,2,5"),
-    ("dataparallel.py", ["--gpus", "1,1"], "--gpus 1,1 names GPU 1 more than once: list each GPU once"),
-    ("fsdp_distributed.py", ["--compile"], "--compile: fsdp_distributed.py does not compile the sharded model "
-     "(torch 2.14's inductor fails on FSDP2's hooks across the whole model); drop it, or train with distributed.py"),
-    ("fsdp_distributed.py", ["--model-ema"], "--model-ema: fsdp_distributed.py keeps no average of the weights (a "
-     "whole copy on every rank is what sharding saves); drop it, or train with distributed.py"),
-]
-
-
-@pytest.mark.parametrize("script_name,flags,said", REFUSED)
-def test_one_line_and_exit_code_2_from_the_command_line(script_name, flags, said, tmp_path):
-    """The whole way, as a user meets it: the script run, not only parse_args."""
-    done = subprocess.run([sys.executable, ROOT / script_name, "--dummy", *flags], capture_output=True, text=True,
-                          cwd=tmp_path)
-    assert done.returncode == 2 and done.stdout == "", done
-    assert done.stderr == f"error: {said}\n"
-
-
-def run_after(setup, script_name, *args, cwd):
-    """`python SCRIPT ARGS`, with the Python `setup` run first in the same process (to take a package away)."""
-    run = (f"import runpy, sys, torch; {setup}; sys.argv[:] = sys.argv[1:]; "
-           f"runpy.run_path(sys.argv[0], run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", run, ROOT / script_name, *args], capture_output=True, text=True,
-                          cwd=cwd)
-
-
-# a tensorboard made for another protobuf fails as it imports, as this does
-BROKEN_TENSORBOARD = ("sys.meta_path.insert(0, type('Broken', (), {'find_spec': staticmethod(lambda name, *rest: "
-                      "exec('raise TypeError(\"Descriptors cannot be created directly\")') if name == 'tensorboard' "
-                      "else None)}))")
-
-
-@pytest.mark.parametrize("setup,why", [("sys.modules['tensorboard'] = None", "import of tensorboard halted"),
-                                       (BROKEN_TENSORBOARD, "Descriptors cannot be created directly")],
-                         ids=["missing", "broken"])
-def test_without_tensorboard_a_run_writes_metrics_jsonl_alone(setup, why, tmp_path):
-    """TensorBoard is optional, as torchcodec is: where its package is missing or does not load, a run says so once
-    and logs metrics.jsonl (it stopped at the import, in a traceback)."""
-    done = run_after(setup, "distributed.py", "--dummy", "--dummy-size", "64", *FAST, "-j", "1", "--epochs", "1",
-                     cwd=tmp_path)
-    assert done.returncode == 0, done
-    assert f"note: no TensorBoard logs (tensorboard did not load: {why}" in done.stdout, done
-    assert sorted(p.name for p in (tmp_path / "output").iterdir()) == [f for f in OUTPUT_FILES if f != "tb"]
-    assert [row["epoch"] for row in metrics(tmp_path / "output")] == [0]
+    assert done.stderr.splitlines()[-1].startswith("distributed.py: error: argument --lr: -1 is out of range: give "
+                                                   "float >= 0"), done
 
 
 # the flags of pytorch/examples' imagenet and torch.distributed.launch that a script takes as its own

@@ -104,17 +104,6 @@ def test_pretrained_weights_come_through_the_torchvision_api(image_data, tmp_pat
     assert loaded["fc.weight"].shape == (4, 512)
 
 
-def test_pretrained_weights_damaged_in_the_cache_are_one_line_naming_the_file(image_data, tmp_path):
-    """A file in torchvision's cache that does not load (a broken copy): the line says which file to delete."""
-    cache = tmp_path / "torch" / "hub" / "checkpoints"
-    cache.mkdir(parents=True)
-    damaged = cache / Path(torchvision.models.ResNet18_Weights.DEFAULT.url).name
-    damaged.write_bytes(b"not a checkpoint")
-    job = python(SCRIPT, image_data, *FAST, "--pretrained", "--output-dir", tmp_path / "out",
-                 env={"TORCH_HOME": tmp_path / "torch"}).finish(120)
-    assert_one_clear_line(job, f"cannot load pretrained weights .*: delete {damaged}, and the next run downloads it")
-
-
 def test_an_output_folder_removed_mid_run_comes_back_at_the_epoch_end(image_data, tmp_path):
     """--output-dir removed while the run trains (a cleanup job, a slip of rm -rf): the epoch's end writes the
     checkpoint, metrics.jsonl and TensorBoard's events again, and the run ends 0. TensorBoard's writer thread stopped
@@ -135,12 +124,11 @@ def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninte
     job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path))
     assert "resumed from" in job.output and "(epoch 1, step 0)" in job.output
     assert_same_run(tmp_path, uninterrupted)
-    # the same command once more: the run is over, and it says so (a requeued job that finished ends with 0); with the
-    # largest --dist-timeout, which the rendezvous and the process group take (10**9 s: a C int overflowed past that)
+    # the same command once more: the run is over (a requeued job that finished ends with 0) and its checkpoint stays;
+    # with the largest --dist-timeout, which the rendezvous and the process group take (10**9 s: a C int overflowed)
     saved = (tmp_path / "checkpoint.pth.tar").read_bytes()
-    job = ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path,
-                      "--dist-timeout", "999999999.9"))
-    assert f"nothing to train: the checkpoint has trained {EPOCHS} epochs, --epochs is {EPOCHS};" in job.output
+    ok(torchrun(SCRIPT, 2, image_data, *RESUME, "--epochs", EPOCHS, "--resume", "auto", "--output-dir", tmp_path,
+                "--dist-timeout", "999999999.9"))
     assert (tmp_path / "checkpoint.pth.tar").read_bytes() == saved
 
 
@@ -205,7 +193,7 @@ def test_a_signal_during_start_up_stops_the_run_at_its_first_steps(signum, tmp_p
 
 def test_ctrl_c_while_a_rank_waits_for_its_peers_ends_every_process_at_once(tmp_path):
     """Ctrl-C with rank 0 still building its datasets and rank 1 waiting for it in the rendezvous, where no handler
-    of Python's runs: rank 1 used to wait on until torchrun killed it, 30 s later. Rank 0 says why, once."""
+    of Python's runs: rank 1 used to wait on until torchrun killed it, 30 s later."""
     flags, env, wait_for_ranks = slow_start(tmp_path)
     job = torchrun(SCRIPT, 2, *flags, env={**env, "PAUSE_RANK0": "120"})
     wait_for_ranks()
@@ -216,19 +204,17 @@ def test_ctrl_c_while_a_rank_waits_for_its_peers_ends_every_process_at_once(tmp_
     time.sleep(1)  # rank 1: into the rendezvous
     os.killpg(job.proc.pid, signal.SIGINT)
     job.finish(timeout=20)  # torchrun's own wait for a rank that ignores its signal: 30 s
-    assert job.output.count("stopped by Ctrl-C, without saving") == 1, job.output  # (torchrun's own traceback too)
-    assert "KeyboardInterrupt" not in job.output and not error_lines(job.output), job.output
+    assert "KeyboardInterrupt" not in job.output and not error_lines(job.output), job.output  # (torchrun's traceback)
 
 
-def test_a_frozen_rank_ends_the_job_within_the_timeout_with_one_line(image_data, tmp_path):
+def test_a_frozen_rank_ends_the_job_within_the_timeout(image_data, tmp_path):
     """A rank that stops answering but does not die (SIGSTOP: as if stuck in I/O or a driver call): the others
-    give up after --dist-timeout and say so; torchrun kills the frozen one 30 s after asking it to stop."""
+    give up after --dist-timeout, in gloo's words; torchrun kills the frozen one 30 s after asking it to stop."""
     job = torchrun(SCRIPT, 2, image_data, *FAST, "-p", "1", "--epochs", "3", "--dist-timeout", "10",
                    "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 2/12]")
     freeze(job, job.process_of_rank(1), ends_within=10 + 30 + 15)
-    assert_one_clear_line(job, r"a rank stopped answering: this one waited --dist-timeout 10s for it \(.*\); find "
-                               r"the stuck process", launcher_reports=True)
+    assert "Timed out waiting 10000ms" in job.output, job.output
 
 
 def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, tmp_path, uninterrupted):

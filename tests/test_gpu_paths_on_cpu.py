@@ -39,7 +39,7 @@ def test_a_checkpoint_loaded_for_a_gpu_is_on_the_cpu(script, image_data, uninter
     same way ("RNG state must be a torch.ByteTensor") when anything is mapped to the device."""
     module = import_script(script)
     args = module.parse_args([str(image_data), "--resume", str(uninterrupted / "checkpoint.pth.tar"), "-b", "16"])
-    ckpt = module.load_checkpoint(module.resume_path(args))
+    ckpt = module.read_checkpoint(module.resume_path(args))
     assert ckpt["epoch"] > 0
     assert_resumes_with_cpu_states(module, ckpt)
     with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):  # what mapping to the device did
@@ -52,7 +52,7 @@ def test_a_unet_checkpoint_loaded_for_a_gpu_is_on_the_cpu(tmp_path):
     config = module.model_config(args, 1)
     torch.save({"arch": "unet3d", "model": config, "state_dict": module.UNet3D(**config).state_dict(), "epoch": 1,
                 "rng_states": [module.rng_state()]}, tmp_path / "ckpt.pth.tar")
-    assert_resumes_with_cpu_states(module, module.load_checkpoint(module.resume_path(args), config, args))
+    assert_resumes_with_cpu_states(module, module.read_checkpoint(module.resume_path(args)))
 
 
 @pytest.mark.parametrize("script", [*IMAGENET_SCRIPTS, "fsdp_distributed.py", "unet3d_apex.py"])

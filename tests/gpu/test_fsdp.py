@@ -36,7 +36,6 @@ def test_each_precision_policy_trains_resnet18_with_adamw(amp, image_data, tmp_p
     GradScaler, whose scale the checkpoint keeps."""
     job = ok(fsdp(1, tmp_path, image_data, *FAST, "--opt", "adamw", "--lr", "0.002", "--amp", amp, "--epochs", "3"))
     assert f"device {DEVICE}, backend {NCCL}" in job.output
-    assert (f", {amp} weights and compute, fp32 gradient reduction" in job.output) == (amp != "none")
     assert_trains(tmp_path, 3, min_acc1=50)
     scaler = load(tmp_path / "checkpoint.dcp" / "train_state.pt")["scaler"]
     assert (scaler.get("scale", 0) > 0) == (amp == "fp16" and not ON_CPU), scaler

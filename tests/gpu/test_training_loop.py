@@ -1,13 +1,10 @@
-"""The training loop's flags where their CUDA paths run: TF32 on by default, --compile (inductor's GPU kernels),
+"""The training loop's flags where their CUDA paths run: --compile (inductor's GPU kernels),
 --clip-grad-norm under fp16 loss scaling (and on apex O2's fp32 masters), --grad-accum-steps, --model-ema, and
 --profile with the GPU's kernels in the trace, under every launcher."""
-import json
-import re
-
 import pytest
 import torchvision
 
-from conftest import EPOCHS, FAST, ok, python
+from conftest import EPOCHS, FAST, ema_weights, ok, profile_traces, python
 
 from .harness import (APEX, CUDA_ONLY, DATAPARALLEL, DEVICE, DISTRIBUTED, FP16, GPUS, HALF, HOROVOD, ON_CPU, SLURM,
                       SPAWN, assert_trains, checkpoint_of, horovod_missing, launch)
@@ -23,30 +20,24 @@ def test_the_loop_under_fp16_learns_clips_and_averages(script, image_data, tmp_p
     (clipping scaled ones at 1 would clip every step to nothing, and it would not learn)."""
     if script == HOROVOD and (why := horovod_missing()):
         pytest.skip(why)
-    job = ok(launch(script, image_data, *FAST, "--lr", "0.05", *PRECISION.get(script, ["--amp", FP16]), *LOOP,
-                    "--epochs", EPOCHS, "--output-dir", tmp_path))
-    assert ("TF32: not on the CPU" if ON_CPU else "TF32: on for fp32 matmuls and convolutions") in job.output
+    ok(launch(script, image_data, *FAST, "--lr", "0.05", *PRECISION.get(script, ["--amp", FP16]), *LOOP,
+              "--epochs", EPOCHS, "--output-dir", tmp_path))
     rows = assert_trains(tmp_path, EPOCHS, min_acc1=50)
     assert "val_acc1_ema" in rows[-1], rows
-    ckpt = checkpoint_of(tmp_path)
-    torchvision.models.resnet18(num_classes=4).load_state_dict(ckpt["model_ema"])
+    torchvision.models.resnet18(num_classes=4).load_state_dict(ema_weights(checkpoint_of(tmp_path)))
 
 
 def test_compile_on_the_gpu_trains_and_saves_a_plain_model(image_data, tmp_path):
-    job = ok(launch(DISTRIBUTED, image_data, *FAST, "--compile", "--amp", "bf16", "--no-tf32", "--epochs", 2,
-                    "--output-dir", tmp_path), timeout=900)
-    assert "TF32: not on the CPU" in job.output if ON_CPU else "TF32: off (--no-tf32)" in job.output
+    ok(launch(DISTRIBUTED, image_data, *FAST, "--compile", "--amp", "bf16", "--no-tf32", "--epochs", 2,
+              "--output-dir", tmp_path), timeout=900)
     assert_trains(tmp_path, 2)
     torchvision.models.resnet18(num_classes=4).load_state_dict(checkpoint_of(tmp_path)["state_dict"])
 
 
-def test_profile_on_the_gpu_traces_its_kernels_and_its_parts_add_up(image_data, tmp_path):
+def test_profile_on_the_gpu_traces_its_kernels(image_data, tmp_path):
     job = ok(launch(DISTRIBUTED, image_data, *FAST, "--epochs", 1, "--profile", 3, "--output-dir", tmp_path))
-    line = re.search(r"^profile: 3 steps, ([\d.]+) ms each = (.*) ms; ", job.output, re.M)
-    assert line, job.output
-    parts = [float(part.rsplit(" ", 1)[1]) for part in line[2].split(" + ")]
-    assert sum(parts) == pytest.approx(float(line[1]), abs=0.35) and min(parts) >= -0.05, line[0]
-    events = json.loads((tmp_path / "profile" / "rank0.pt.trace.json").read_text())["traceEvents"]
+    assert "profile: 3 steps, the operators that took the most time:" in job.output, job.output
+    events = profile_traces(tmp_path)[0]
     assert ON_CPU or any(e.get("cat") == "kernel" for e in events)  # the GPU's own timeline
     assert f"device {DEVICE}" in job.output
 
