@@ -243,7 +243,7 @@ def remove_rendezvous_file(args):
 
 
 def start_process_group(args, rank, world_size, device, log):
-    """Starts the process group (none for one process); returns the CPU group for preemption, or None."""
+    """Starts the process group (none for one process); returns its group, or None."""
     if world_size == 1:
         return None
     log(f"rendezvous: {rendezvous(args)}")
@@ -1185,6 +1185,15 @@ def explain_unreadable_image(load_image):
         except Exception as e:
             raise RankError(f"cannot read image {path} ({e}): replace or remove the file") from None
     return load
+
+
+def check_address(address, named):
+    """A rendezvous host name that does not resolve, named as the user gave it: every rank would wait for it until
+    --dist-timeout (30 minutes by default)."""
+    try:
+        socket.getaddrinfo(address, None)
+    except OSError as e:
+        raise RankError(f"{named} does not resolve ({e.strerror}): give the address of the node of rank 0") from None
 
 
 def check_slurm_task():

@@ -365,32 +365,24 @@ def save_sharded(shards, train_state, output_dir, rank):
     folder = f"{link}.{gather_objects(time.time_ns())[0]}"  # rank 0's name, on every rank
     try:
         dcp.save(shards, checkpoint_id=folder)
-        if rank == 0:
-            atomic_write(os.path.join(folder, TRAIN_STATE), lambda f: torch.save(train_state, f))
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{link}.tmp")
-            os.symlink(os.path.basename(folder), f"{link}.tmp")
-            os.replace(f"{link}.tmp", link)
-            for old in glob.glob(f"{glob.escape(link)}.*"):  # the last one, and any a crash left half-written
-                if old != folder and old[len(link) + 1:].isdigit():
-                    shutil.rmtree(old, ignore_errors=True)
-    except (OSError, dcp.api.CheckpointException) as e:  # on every rank (not a RuntimeError: a peer gone, as a crash)
+    except BaseException:  # as atomic_write: a save that failed (on every rank) leaves nothing behind
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
-        raise cannot_write(e, output_dir, "each rank's shards", shards)
+        raise
+    if rank == 0:
+        atomic_write(os.path.join(folder, TRAIN_STATE), lambda f: torch.save(train_state, f))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{link}.tmp")
+        os.symlink(os.path.basename(folder), f"{link}.tmp")
+        os.replace(f"{link}.tmp", link)
+        for old in glob.glob(f"{glob.escape(link)}.*"):  # the last one, and any a crash left half-written
+            if old != folder and old[len(link) + 1:].isdigit():
+                shutil.rmtree(old, ignore_errors=True)
 
 
-def cannot_write(error, folder, what, state, flag="--output-dir"):
-    """The one line for a checkpoint write that failed (the disk full, the folder gone), not torch's "file write
-    failed", nor every rank's error and stack that a failed shard save raises (rank 0 says the first rank's)."""
-    error = next((failure[0] for failure in getattr(error, "failures", {}).values()), error)
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[-1]
-    need = sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(state)
-               if isinstance(t, torch.Tensor)) / 2**20
-    free = shutil.disk_usage(folder).free / 2**20 if os.path.isdir(folder) else 0.0
-    return UserError(f"cannot write a checkpoint to {os.path.abspath(folder)} ({reason[:100]}): {what} take about "
-                     f"{need:.0f} MiB, {free:.0f} MiB are free there; make room or give another {flag} (the last "
-                     f"checkpoint is kept)")
+def save_full(state, name, folder):
+    """Rank 0's file of full weights (model_best.pth.tar, --export): explain_failed_save reads its arguments too."""
+    atomic_write(os.path.join(folder, name), lambda f: torch.save(state, f))
 
 
 def main():
@@ -535,11 +527,7 @@ class RunState:
         state = {"epoch": self.epoch, "arch": args.arch, "state_dict": weights, "best_acc1": self.best_acc1,
                  "args": vars(args)}
         for path in paths if rank == 0 else ():
-            try:
-                atomic_write(path, lambda f: torch.save(state, f))
-            except (OSError, RuntimeError) as e:  # torch.save's failed write: a RuntimeError
-                flag = "--export" if path == args.export else "--output-dir"
-                raise cannot_write(e, os.path.dirname(os.path.abspath(path)), "the full weights", state, flag)
+            save_full(state, os.path.basename(path), os.path.dirname(os.path.abspath(path)))
 
     def load_state_dict(self, ckpt, args, rank, world_size):
         """Everything back from a checkpoint; only the weights for --evaluate. Each rank reads its shards from the
@@ -1307,6 +1295,24 @@ def explain_failed_save(save_checkpoint):
     return save
 
 
+def explain_failed_shards(save_sharded):
+    """save_sharded; a failed write (disk full, folder gone), which raises on every rank with every rank's error and
+    stack, stops the run in one line from one rank: the room needed. (A peer gone is no failed write: RuntimeError.)"""
+    def save(shards, train_state, output_dir, rank):
+        try:
+            save_sharded(shards, train_state, output_dir, rank)
+        except (OSError, dcp.api.CheckpointException) as e:
+            e = next((failure[0] for failure in getattr(e, "failures", {}).values()), e)  # rank -> (error, stack)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1][:100]
+            need = sum(t.untyped_storage().nbytes() for t in torch.utils._pytree.tree_leaves(shards)
+                       if isinstance(t, torch.Tensor)) / 2**20
+            free = shutil.disk_usage(output_dir).free / 2**20 if os.path.isdir(output_dir) else 0.0  # or gone
+            raise UserError(f"cannot write a checkpoint to {os.path.abspath(output_dir)} ({reason}): each rank's "
+                            f"shards take about {need:.0f} MiB, {free:.0f} MiB are free there; make room or give "
+                            f"another --output-dir (the last checkpoint is kept)") from None
+    return save
+
+
 def explain_short_loader(batches):
     """DeviceBatches.__iter__; a loader that ends before its length stops the run in one line. A dataset's __getitem__
     that raises StopIteration does that: a for loop takes it for the end, and this rank would wait for its peers."""
@@ -1464,6 +1470,8 @@ UserError.__str__ = one_line
 main_worker = safety_net(main_worker)
 load_image = explain_unreadable_image(load_image)
 save_checkpoint = explain_failed_save(save_checkpoint)
+save_full = explain_failed_save(save_full)  # (state, name, folder): read as (state, is_best, output_dir)
+save_sharded = explain_failed_shards(save_sharded)
 DeviceBatches.__iter__ = explain_short_loader(DeviceBatches.__iter__)
 # endregion [safety]
 

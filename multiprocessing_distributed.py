@@ -202,8 +202,7 @@ def find_processes(args, local_index):
 
 
 def start_process_group(args, rank, world_size, device, log):
-    """Starts the process group at the store that node 0's parent serves on --dist-url; returns the CPU group for
-    preemption."""
+    """Starts the process group at the store that node 0's parent serves on --dist-url; returns its group."""
     url = urllib.parse.urlparse(args.dist_url)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     store = dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=timeout)

@@ -1,22 +1,29 @@
-"""Keeps the README's links into the scripts pointing at the right lines, and its table of line counts true.
+"""Keeps the README's links true, and its table of line counts.
 
-A link [`name`](script.py#L123) or [`name` in script.py](script.py#L123) promises that line 123 of
-script.py holds `name` (quoted parts such as "state_dict" may appear as 'state_dict'). After a script
-changes, run
+Links into a script name a function, never a line number, so that an edit cannot move them:
+[`save_checkpoint`](distributed.py), or [`wrap_model` in dataparallel.py](dataparallel.py). The name in backticks
+must be defined in the linked script: a top-level function, class or constant, or a method (`RunState.save`, or
+`save` alone). A sentence that names a function in a script, "`wrap_model` in dataparallel.py", is held to the
+same rule. Every relative link must lead to a file or folder that exists, and a link to a heading of the same page
+(#the-heading) to a heading that exists. Checked in README.md, CONTRIBUTING.md and docs/results/*.md.
 
-    python scripts/readme_links.py          # rewrites the line numbers in README.md
-    python scripts/readme_links.py --check  # lists links whose line no longer holds the name; exit 1
+    python scripts/readme_links.py          # rewrites the README's table of line counts, then lists bad links
+    python scripts/readme_links.py --check  # only lists bad links and a stale table; exit 1 if there is any
 
-A name is looked up as `def name` / `class name` first, then as the first line that contains it. The table
-"| `script.py` | lines | the core |" gets each script's line count, whole and cut to its core (every block
+The table "| `script.py` | lines | the core |" gets each script's line count, whole and cut to its core (every block
 deleted by its markers, README: Copy only what you need).
 """
+import ast
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LINK = re.compile(r"\[`([^`]+)`[^\]]*\]\(([\w./-]+\.py)#L(\d+)\)")
+PAGES = ["README.md", "CONTRIBUTING.md", "docs/results/*.md"]
+LINK = re.compile(r"\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)\)")  # [text](target)
+NAMED = re.compile(r"^`([A-Za-z_][\w.]*)(?:\(\))?`")  # a link text that starts with a name in backticks
+IN_SCRIPT = re.compile(r"`([A-Za-z_][\w.]*)(?:\(\))?`(?:\]\([^)]*\))? in `?(\w+\.py)\b")  # "`name` in script.py"
+LINE_LINK = re.compile(r"\.py#L\d+")
 COUNTS = re.compile(r"^\| `(\w+\.py)` \| \d+ \| \d+ \|$", re.M)
 BLOCK = re.compile(r"^ *# region \[.*?^ *# endregion \[[^\n]*\n", re.M | re.S)
 
@@ -28,55 +35,89 @@ def line_counts(script):
     return f"| `{script}` | {len(text.splitlines())} | {len(core)} |"
 
 
-def matches(line, name):
-    return name in line or name.replace('"', "'") in line
+def definitions(script):
+    """What a script defines: its top-level functions, classes and constants, and its classes' methods, both as
+    `Class.method` and as `method`."""
+    names = set()
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.update({item.name, f"{node.name}.{item.name}"})
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
 
 
-def find_line(lines, name):
-    bare = name.split("(")[0].split(".")[-1]
-    for pattern in (rf"^\s*(def|class) {re.escape(bare)}\b",):
-        for i, line in enumerate(lines, 1):
-            if re.search(pattern, line) and matches(line, name):
-                return i
-    return next((i for i, line in enumerate(lines, 1) if matches(line, name)), None)
+def slug(heading):
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def links(text):
-    """(match, name, file, line) for every line-anchored link."""
-    return [(m, m[1], m[2], int(m[3])) for m in LINK.finditer(text)]
-
-
-def stale_links(readme=ROOT / "README.md"):
-    found = []
-    for _, name, file, n in links(readme.read_text()):
-        lines = (ROOT / file).read_text().splitlines()
-        if not (1 <= n <= len(lines) and matches(lines[n - 1], name)):
-            found.append(f"{file}#L{n}: `{name}`")
+def anchors(text):
+    found = set()
+    for heading in re.findall(r"^#+ (.*)$", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S), re.M):
+        name, n = slug(heading), 1
+        while name in found:  # GitHub numbers repeated headings
+            name, n = f"{slug(heading)}-{n}", n + 1
+        found.add(name)
     return found
+
+
+def problems(page):
+    """What is wrong with the links of one page: line-number links, names a script does not define, paths that do
+    not exist, anchors without their heading."""
+    text, found, cache = page.read_text(), [], {}
+
+    def defined(name, path):
+        path = path.resolve()
+        if path not in cache:
+            cache[path] = definitions(path) if path.is_file() else None
+        return cache[path] is None or name in cache[path]
+
+    where = page.relative_to(ROOT)
+    found += [f"{where}: a line-number link {m[0]!r}: name a function instead" for m in LINE_LINK.finditer(text)]
+    for m in LINK.finditer(text):
+        label, target = m[1], m[2]
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        if not path:
+            if anchor not in anchors(text):
+                found.append(f"{where}: no heading for #{anchor}")
+            continue
+        if not (page.parent / path).exists():
+            found.append(f"{where}: {path} does not exist")
+            continue
+        named, script = NAMED.match(label), page.parent / path
+        if path.endswith(".py") and named and not named[1].endswith(".py") and not defined(named[1], script):
+            found.append(f"{where}: [{label}]({target}): {path} defines no {named[1]}")
+    for name, script in IN_SCRIPT.findall(text):
+        if (ROOT / script).is_file() and not defined(name, ROOT / script):
+            found.append(f"{where}: `{name}` in {script}: {script} defines no {name}")
+    return found
+
+
+def bad_links():
+    return [problem for pattern in PAGES for page in sorted(ROOT.glob(pattern)) for problem in problems(page)]
 
 
 def main(argv):
     readme = ROOT / "README.md"
+    text = readme.read_text()
+    counted = COUNTS.sub(lambda m: line_counts(m[1]), text)
+    bad = bad_links()
     if "--check" in argv:
-        stale = stale_links(readme)
-        print("\n".join(stale) or "all links point at their names")
-        return 1 if stale else 0
-    text, missing = readme.read_text(), []
-
-    def fix(m):
-        lines = (ROOT / m[2]).read_text().splitlines()
-        n = int(m[3])
-        if 1 <= n <= len(lines) and matches(lines[n - 1], m[1]):
-            return m[0]
-        found = find_line(lines, m[1])
-        if found is None:
-            missing.append(f"{m[2]}: `{m[1]}` not found")
-            return m[0]
-        return m[0][: m[0].rindex("#L")] + f"#L{found})"
-
-    readme.write_text(COUNTS.sub(lambda m: line_counts(m[1]), LINK.sub(fix, text)))
-    print("\n".join(missing) or "README.md: links updated")
-    return 1 if missing else 0
+        if counted != text:
+            bad.append("README.md: the table of line counts is stale (python scripts/readme_links.py)")
+    elif counted != text:
+        readme.write_text(counted)
+        print("README.md: the table of line counts updated")
+    print("\n".join(bad) or "every link names what exists")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

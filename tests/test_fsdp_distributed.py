@@ -128,7 +128,7 @@ def test_a_sharded_checkpoint_of_2_processes_resumes_on(nproc, pairs, two_epochs
     """torch.distributed.checkpoint reshards: each of nproc ranks reads its part of the 2 ranks' shards."""
     out = copy_of(pairs("sgd").out, tmp_path)
     job = ok(fsdp(nproc, out, image_data, *SGD, "--epochs", "2", "--resume", "auto"))
-    assert f"resumed from {out / 'checkpoint.dcp'} (epoch 1, step 0), world size 2 -> {nproc}:" in job.output
+    assert f"resumed from {out / 'checkpoint.dcp'} (epoch 1, step 0), world size 2 -> {nproc}" in job.output
     assert_same_tensors(weights(out), two_epochs, exact=False)
 
 
