@@ -279,7 +279,8 @@ def train_step(run, images, target, args):
     # region [clip-grad-norm]: --clip-grad-norm caps the gradients' norm: the true one, unscaled (FSDP: of all shards)
     if args.clip_grad_norm:
         run.scaler.unscale_(run.optimizer)
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_grad_norm)
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]  # (apex O2: the fp32 masters)
+        torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
     # endregion [clip-grad-norm]
     run.scaler.step(run.optimizer)  # unscales the gradients, and skips the step if one is inf/NaN
     run.scaler.update()

@@ -420,6 +420,11 @@ def assert_preempted(job, out, code=PREEMPTED):
     return ckpt["step"]
 
 
+# how the backends say that a peer stopped answering for --dist-timeout: gloo, at a receive or a connection; NCCL
+TIMED_OUT = (r"Timed out waiting \d+ms|Application timeout caused pair closure|"
+             r"Watchdog caught collective operation timeout")
+
+
 def freeze(job, process, ends_within):
     """Stops `process` without killing it (SIGSTOP: as if stuck in I/O or a driver call); the job must then end,
     failing, within `ends_within` seconds."""

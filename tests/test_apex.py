@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import CHECKPOINT_KEYS, FAST, assert_same_tensors, import_script, load, metrics, ok, torchrun
+from conftest import CHECKPOINT_KEYS, EPOCHS, FAST, assert_same_tensors, import_script, load, metrics, ok, torchrun
 
 SCRIPT = "apex_distributed.py"
 BF16 = ["--half-dtype", "bfloat16"]
@@ -46,11 +46,11 @@ def test_o0_trains_in_fp32_despite_a_broken_apex(image_data, tmp_path):
 
 
 def test_o1_autocast_learns_without_apex(image_data, tmp_path):
-    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O1", *BF16, "--epochs", "3",
+    job = ok(torchrun(SCRIPT, 2, image_data, *FAST, "--opt-level", "O1", *BF16, "--epochs", EPOCHS,
                       "--output-dir", tmp_path))
     assert "world size 2, device cpu, backend gloo, global batch 16 = 2 x 8" in job.output
     assert "opt level O1: fp32 weights, autocast to bfloat16, no loss scaling" in job.output
-    rows = assert_trains(tmp_path, 3)
+    rows = assert_trains(tmp_path, EPOCHS)
     assert max(r["val_acc1"] for r in rows) >= 70 and rows[-1]["train_acc1"] >= 60, rows  # 4 classes: chance is 25%
     ckpt = load(tmp_path / "checkpoint.pth.tar")
     assert set(ckpt) == CHECKPOINT_KEYS and ckpt["args"]["opt_level"] == "O1"

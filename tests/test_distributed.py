@@ -14,7 +14,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, Job, assert_learned,
+from conftest import (CHECKPOINT_KEYS, EPOCHS, FAST, LAUNCHER_FAILED, RESUME, ROOT, TIMED_OUT, Job, assert_learned,
                       assert_preempted, assert_same_run, assert_same_tensors, error_lines, free_port, freeze, load,
                       metrics, ok, own_rows, python, slow_start, spawn, started, threads_started, torchrun)
 from test_bad_input import assert_one_clear_line
@@ -102,21 +102,6 @@ def test_pretrained_weights_come_through_the_torchvision_api(image_data, tmp_pat
     loaded = load(tmp_path / "out" / "checkpoint.pth.tar")["state_dict"]
     assert torch.equal(loaded["layer4.1.conv2.weight"], weights["layer4.1.conv2.weight"])
     assert loaded["fc.weight"].shape == (4, 512)
-
-
-def test_an_output_folder_removed_mid_run_comes_back_at_the_epoch_end(image_data, tmp_path):
-    """--output-dir removed while the run trains (a cleanup job, a slip of rm -rf): the epoch's end writes the
-    checkpoint, metrics.jsonl and TensorBoard's events again, and the run ends 0. TensorBoard's writer thread stopped
-    it with a traceback."""
-    out = tmp_path / "out"
-    job = python(SCRIPT, image_data, *FAST, "--epochs", 2, "-b", 4, "-p", 1, "-j", 2, "--output-dir", out)
-    job.wait_for_line("Epoch 1 [ 1/")
-    job.proc.send_signal(signal.SIGSTOP)  # the epoch's 12 steps stay ahead: nothing writes while the folder goes
-    shutil.rmtree(out)
-    job.proc.send_signal(signal.SIGCONT)
-    ok(job)
-    assert load(out / "checkpoint.pth.tar")["epoch"] == 2 and [row["epoch"] for row in metrics(out)] == [1]
-    assert list((out / "tb").glob("events.out.tfevents.*"))
 
 
 def test_resume_after_an_epoch_is_bitwise_identical(image_data, tmp_path, uninterrupted):
@@ -214,7 +199,7 @@ def test_a_frozen_rank_ends_the_job_within_the_timeout(image_data, tmp_path):
                    "--output-dir", tmp_path)
     job.wait_for_line("Epoch 0 [ 2/12]")
     freeze(job, job.process_of_rank(1), ends_within=10 + 30 + 15)
-    assert "Timed out waiting 10000ms" in job.output, job.output
+    assert re.search(TIMED_OUT, job.output), job.output
 
 
 def test_a_killed_worker_is_restarted_and_repeats_at_most_one_epoch(image_data, tmp_path, uninterrupted):

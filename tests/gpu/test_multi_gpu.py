@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from conftest import (EPOCHS, FAST, LAUNCHER_FAILED, RESUME, assert_learned, assert_preempted, assert_same_run,
-                      error_lines, ok, python, spawn, torchrun)
+from conftest import (EPOCHS, FAST, LAUNCHER_FAILED, RESUME, TIMED_OUT, assert_learned, assert_preempted,
+                      assert_same_run, error_lines, ok, python, spawn, torchrun)
 
 from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, HALF, NCCL, ON_CPU, SLURM, SPAWN, UNET, UNET_ARGS,
                       assert_multi_rank_run, free_port, gpus, horovod_missing, horovodrun, made_once, preempt,
@@ -108,4 +108,4 @@ def test_a_peer_frozen_mid_epoch_ends_the_job_after_the_timeout(tmp_path):
     """SIGSTOP (stuck in I/O or a driver call): rank 0 gives up after --dist-timeout, in the backend's words; torchrun
     then kills rank 1 30 s after asking it to stop."""
     job = signal_rank_1(tmp_path, signal.SIGSTOP, ends_within=TIMEOUT + 30 + 15)
-    assert re.search(r"Timed out waiting|Watchdog caught collective operation timeout", job.output), job.output
+    assert re.search(TIMED_OUT, job.output), job.output
