@@ -92,7 +92,7 @@ def parse_args(argv=None):
     add("--lr-schedule", choices=("step", "cosine"), default="step", help="decay, per step")  # [lr-schedule]
     add("--lr-step", type=number(int, 1), default=30, help="epochs between step decays (/10)")
     add("--warmup-epochs", type=number(float, 0), default=0.0, help="linear, from 0 to --lr")  # [lr-schedule]
-    add("--crop-size", type=number(int, 1), help="default: 224; with --dataset, its images' size")
+    add("--crop-size", type=number(int, 1), default=224, help="training crop (--dataset: at most its images' size)")
     add("--val-resize", type=number(int, 1), help="validation resize before the center crop (default: crop x 8/7)")
     add("--amp", choices=("none", "fp16", "bf16"), default="none", help="autocast dtype; fp16 scales the loss")
     add("--channels-last", action="store_true")
@@ -157,17 +157,16 @@ def build_datasets(args):
     """Your data (edit this, and build_model for your model): (train set, val set) of (input, label), labels 0 to N-1
     (N: --num-classes, or the set's num_classes or len(classes)), inputs uint8 CxHxW images or other tensors."""
     sets = call_spec(args.dataset, args) if args.dataset else None  # [spec]
-    args.crop_size = args.crop_size or image_size(sets)  # [spec]
-    args.crop_size = args.crop_size or 224
-    args.val_resize = args.val_resize or round(args.crop_size * 8 / 7)
+    args.crop_size = min(args.crop_size, image_size(sets) or args.crop_size)  # [spec]
+    val_resize = args.val_resize or round(args.crop_size * 8 / 7)
     train_tf = v2.Compose([v2.RandomResizedCrop(args.crop_size, antialias=True), v2.RandomHorizontalFlip()])
     train_tf = RandomResizedCropFlip(args.crop_size)  # [fast-crop]
-    val_tf = v2.Compose([v2.Resize(args.val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
+    val_tf = v2.Compose([v2.Resize(val_resize, antialias=True), v2.CenterCrop(args.crop_size)])
     if args.dataset:  # [spec]
         return [ImageCrops(data, tf) for data, tf in zip(sets, (train_tf, val_tf))]  # [spec]
     if args.dummy:
-        return (SyntheticImages(args.dummy_size, 10, args.val_resize, train_tf),
-                SyntheticImages(max(args.dummy_size // 4, 1), 10, args.val_resize, val_tf, offset=10**9))
+        return (SyntheticImages(args.dummy_size, 10, val_resize, train_tf),
+                SyntheticImages(max(args.dummy_size // 4, 1), 10, val_resize, val_tf, offset=10**9))
     check_image_folder(args.data)  # [safety]
     return [torchvision.datasets.ImageFolder(os.path.join(args.data, split), tf, loader=load_image)
             for split, tf in (("train", train_tf), ("val", val_tf))]
@@ -904,7 +903,7 @@ def sync_batchnorm(model, args, device, log):
         log("--sync-bn: off on CPU (SyncBatchNorm needs CUDA); BatchNorm statistics stay per process")
     return model
 # endregion [sync-bn]
-# region [profile]: --profile, --profile-all-ranks: where the step time goes
+# region [profile]: --profile: where the step time goes
 def start_profiler(args, rank, device, log):
     """--profile STEPS: torch.profiler over training steps 3 to STEPS + 2 (no autotuning, warm), a trace per rank in
     <output-dir>/profile (Perfetto, TensorBoard; HolisticTraceAnalysis: how far communication overlaps computation),
@@ -1102,7 +1101,7 @@ def call_spec(spec, *args, **kwargs):
 
 
 def image_size(sets):
-    """The side of a --dataset's first training image (uint8 CxHxW), the default --crop-size for it; else None."""
+    """The side of a --dataset's first training image (uint8 CxHxW), the largest --crop-size for it; else None."""
     image = sets[0][0][0]
     fits = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
     return image.shape[-1] if fits else None
@@ -1216,7 +1215,7 @@ def check_run(args, world_size, device, sets):
     if args.batch_size // world_size % args.grad_accum_steps:
         raise UserError(f"--grad-accum-steps {args.grad_accum_steps} must divide each process's batch "
                         f"{args.batch_size // world_size} (-b {args.batch_size} / {world_size} processes)")
-    if args.val_resize < args.crop_size:
+    if args.val_resize and args.val_resize < args.crop_size:
         raise UserError(f"--val-resize {args.val_resize} is smaller than --crop-size {args.crop_size}: the center "
                         f"crop would be padded with black; give --val-resize {args.crop_size} or more")
     if args.dummy and args.data:

@@ -145,17 +145,6 @@ def eval_pair(num_classes):
     return EvalPair(num_classes)
 
 
-class IntMLP(MLP):
-    """Logits as integers, through which no gradient flows."""
-
-    def forward(self, x):
-        return super().forward(x).long()
-
-
-def int_mlp(num_classes):
-    return IntMLP(num_classes)
-
-
 def rank_mlp(num_classes):  # a layer more on rank 1
     return MLP(num_classes) if os.environ.get("RANK") != "1" else nn.Sequential(MLP(num_classes), nn.Linear(3, 3))
 
@@ -169,12 +158,6 @@ class DetachedMLP(MLP):
 
 def detached_mlp(num_classes):
     return DetachedMLP(num_classes)
-
-
-def sparse_mlp(num_classes):
-    model = MLP(num_classes)
-    model.lookup = nn.Embedding(4, 4, sparse=True)
-    return model
 
 
 class Unused(MLP):
