@@ -248,10 +248,12 @@ def train_step(run, images, target, args):
         outputs.append(output.detach().float())
     run.optimizer.synchronize()
     with run.optimizer.skip_synchronize():
-        if args.clip_grad_norm:  # [clip-grad-norm]
-            run.scaler.unscale_(run.optimizer)  # [clip-grad-norm]
-            params = [p for group in run.optimizer.param_groups for p in group["params"]]  # [clip-grad-norm]
-            torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)  # [clip-grad-norm]
+        # region [clip-grad-norm]: --clip-grad-norm caps the gradients' norm: the true one, averaged and unscaled
+        if args.clip_grad_norm:
+            run.scaler.unscale_(run.optimizer)
+            params = [p for group in run.optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm)
+        # endregion [clip-grad-norm]
         run.scaler.step(run.optimizer)  # unscales the gradients, and skips the step if one is inf/NaN
     run.scaler.update()
     run.scheduler.step()

@@ -20,7 +20,7 @@ def parse(arch, crop_size, *more):
     return SCRIPT.parse_args(["--dummy", "-a", arch, "--crop-size", str(crop_size), *more])
 
 
-@pytest.mark.parametrize("arch", SCRIPT.MODEL_NAMES)
+@pytest.mark.parametrize("arch", torchvision.models.list_models(module=torchvision.models))
 def test_every_arch_trains_and_evaluates(arch):
     size = SIZES.get(arch, 32)
     args = parse(arch, size)
