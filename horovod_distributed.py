@@ -970,7 +970,7 @@ def call_spec(spec, *args, **kwargs):
 
 def image_size(sets):
     """The side of a --dataset's first training image (uint8 CxHxW), the largest --crop-size for it; else None."""
-    image = sets[0][0][0]
+    image = sets[0][0][0] if sets else None
     fits = isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.ndim == 3
     return image.shape[-1] if fits else None
 
