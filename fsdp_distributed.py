@@ -853,8 +853,7 @@ def read_checkpoint(path):
 # =============================================================================================
 # region [ema]: --model-ema, --model-ema-decay, --model-ema-steps: an average of the weights, evaluated too
 def average_model(model, args):
-    """An exponential moving average of the weights and BatchNorm statistics, its first update a copy: each rank's from
-    the same weights, its statistics rank 0's (sync_buffers) before it is evaluated and saved."""
+    """An exponential moving average of the weights and BatchNorm statistics (rank 0's: sync_buffers before use)."""
     decay = swa_utils.get_ema_multi_avg_fn(args.model_ema_decay)
     return swa_utils.AveragedModel(model, multi_avg_fn=decay, use_buffers=True)
 # endregion [ema]
@@ -932,14 +931,13 @@ def benchmark(run, args, world_size, log, val_set):
     images = example.expand(local_batch, *example.shape).contiguous()
     images = images.contiguous(memory_format=torch.channels_last) if args.channels_last else images
     batch = images, torch.zeros(local_batch, dtype=torch.int64, device=device)
-    autocast = str(run.amp_dtype).replace("torch.", "") if run.amp_dtype else "off"
     for steps in (max(args.benchmark // 10, 1), args.benchmark):  # a warm-up, then the timed run
         started = time.monotonic()
         train = train_one_epoch(run, [batch] * steps, args, log)
         if train is None:
             return None
     log(f"benchmark: {train['count'] / (time.monotonic() - started):.0f} img/s over {steps} steps, {world_size} "
-        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, autocast {autocast}; "
+        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, amp {args.amp}; "
         f"{memory_use(run, device)}")
 
 
@@ -1019,6 +1017,8 @@ def start_loader_worker(worker_id):
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+    report = sys.excepthook  # (multiprocessing's threads report through it: the pipes to a killed process close)
+    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
 
 
 def die_with_parent(signum):

@@ -820,6 +820,8 @@ def start_loader_worker(worker_id):
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
+    report = sys.excepthook  # (multiprocessing's threads report through it: the pipes to a killed process close)
+    sys.excepthook = lambda kind, *rest: None if issubclass(kind, (ConnectionError, EOFError)) else report(kind, *rest)
 
 
 def die_with_parent(signum):

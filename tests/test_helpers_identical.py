@@ -32,7 +32,7 @@ def test_shared_helpers_are_identical_to_the_reference(script):
 
 
 def test_what_siblings_share_and_the_reference_lacks_is_one_text_too():
-    """select_gpus and check_gpus (spawn and DataParallel): no sync copies them, so this keeps them alike."""
+    """select_gpus (spawn and DataParallel): no sync copies it, so this keeps it alike."""
     reference, texts = definitions((ROOT / REFERENCE).read_text()), {}
     for script in siblings():
         source = (ROOT / script).read_text()

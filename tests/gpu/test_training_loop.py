@@ -4,9 +4,9 @@
 import pytest
 import torchvision
 
-from conftest import EPOCHS, FAST, ema_weights, ok, profile_traces, python
+from conftest import EPOCHS, FAST, ema_weights, ok, profile_traces
 
-from .harness import (APEX, CUDA_ONLY, DATAPARALLEL, DEVICE, DISTRIBUTED, FP16, GPUS, HALF, HOROVOD, ON_CPU, SLURM,
+from .harness import (APEX, DATAPARALLEL, DEVICE, DISTRIBUTED, FP16, HALF, HOROVOD, ON_CPU, SLURM,
                       SPAWN, assert_trains, checkpoint_of, horovod_missing, launch)
 
 LOOP = ["--grad-accum-steps", "2", "--clip-grad-norm", "1", "--label-smoothing", "0.1", "--model-ema",
@@ -40,11 +40,5 @@ def test_profile_on_the_gpu_traces_its_kernels(image_data, tmp_path):
     events = profile_traces(tmp_path)[0]
     assert ON_CPU or any(e.get("cat") == "kernel" for e in events)  # the GPU's own timeline
     assert f"device {DEVICE}" in job.output
-
-
-@pytest.mark.skipif(ON_CPU or GPUS < 2, reason=CUDA_ONLY if ON_CPU else "needs two GPUs")
-def test_dataparallel_refuses_compile_over_several_gpus_in_one_line(image_data, tmp_path):
-    job = python(DATAPARALLEL, image_data, *FAST, "--compile", "--gpus", "0,1", "--output-dir", tmp_path).finish(120)
-    assert job.returncode == 2 and "error: --compile does not work with DataParallel over 2 GPUs" in job.output
 
 
