@@ -901,7 +901,7 @@ def benchmark(run, args, world_size, log, val_set):
         if train is None:
             return None
     log(f"benchmark: {train['count'] / (time.monotonic() - started):.0f} img/s over {steps} steps, {world_size} "
-        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, amp {args.amp}; "
+        f"processes, global batch {args.batch_size}, {args.arch} at {args.crop_size} px, autocast {run.amp_dtype}; "
         f"{memory_use(run, device)}")
 
 
