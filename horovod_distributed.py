@@ -1277,6 +1277,9 @@ def safety_net(main_worker):
         except Exception as e:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker
             raise explain_failure(e) from None
+        finally:
+            with contextlib.suppress(AttributeError):  # the output folder's lock, if this rank took it: the run is over
+                claim_output_dir.lock.close()
     return guarded
 
 

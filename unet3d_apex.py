@@ -27,6 +27,7 @@ delete every block for the core. For the block logs (README: Copy only what you 
   sed -E -i '/^ *# region \[logs\]/,/^ *# endregion \[logs\]/d; /#( \[[a-z0-9-]+\])* \[logs\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
+import contextlib
 import ctypes  # [preemption]
 import datetime
 import gc
@@ -1077,6 +1078,9 @@ def safety_net(main_worker):
         except Exception as e:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopping: DataLoader's handler would raise a dead worker
             raise explain_failure(e) from None
+        finally:
+            with contextlib.suppress(AttributeError):  # the output folder's lock, if this rank took it: the run is over
+                claim_output_dir.lock.close()
     return guarded
 
 

@@ -20,9 +20,9 @@ def broken_copy(image_data, tmp_path, change):
     return data
 
 
-def checkpoint(tmp_path, num_classes=4, **content):
+def checkpoint(tmp_path, **content):
     path = tmp_path / "ckpt.pth.tar"
-    weights = torchvision.models.resnet18(num_classes=num_classes).state_dict()
+    weights = torchvision.models.resnet18(num_classes=4).state_dict()
     torch.save({"arch": "resnet18", "state_dict": weights, **content}, path)
     return path
 
