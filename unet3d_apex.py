@@ -27,7 +27,7 @@ delete every block for the core. For the block logs (README: Copy only what you 
   sed -E -i '/^ *# region \[logs\]/,/^ *# endregion \[logs\]/d; /#( \[[a-z0-9-]+\])* \[logs\]( \[[a-z0-9-]+\])*$/d' FILE
 """
 import argparse
-import contextlib
+import contextlib  # [safety]
 import ctypes  # [preemption]
 import datetime
 import gc
