@@ -842,7 +842,6 @@ def end_loader_workers():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would call their end a failure
     for worker in workers:
         worker.kill()
-
 # endregion [preemption]
 # region [deterministic]: --deterministic: the same results from the same run on a GPU, at some cost in speed
 def set_deterministic(args):
@@ -864,9 +863,8 @@ def write_epoch(row, writer, output_dir):
     """One JSON line per epoch in metrics.jsonl (NaN, inf: null, as in strict JSON), and the scalars in TensorBoard."""
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({key: value if abs(value) < float("inf") else None for key, value in row.items()}) + "\n")
-    for key, value in row.items():
-        if key != "epoch":
-            writer.add_scalar(key, value, row["epoch"])
+    for key in row.keys() - {"epoch"}:
+        writer.add_scalar(key, row[key], row["epoch"])
     writer.flush()
 # endregion [logs]
 # region [safety]

@@ -8,7 +8,7 @@ augmenting every image, then collating the batch.
 (a) pytorch/examples: PIL decode, RandomResizedCrop, flip, ToTensor, Normalize (float out of the
     worker), default_collate
 (b) this repository: distributed.py's load_image (libjpeg-turbo via torchcodec), train transform
-    and collate (uint8 out; normalization happens once, on the device)
+    and the loaders' collate with its checks (uint8 out; normalization happens once, on the device)
 (c) decode only, with torchcodec (what load_image uses), (d) with torchvision.io (deprecated), (e) with PIL
     (what load_image falls back to), each to the same uint8 RGB tensor
 Prints img/s for each and the ratios b/a (target >= 1.8), b/c (target >= 0.7), and torchcodec's over
@@ -76,7 +76,7 @@ def examples_pipeline():
 def repository_pipeline(script):
     args = argparse.Namespace(crop_size=224, val_resize=256, dummy=True, dummy_size=1, dataset=None)
     train_tf = script.build_datasets(args)[0].transform
-    return (lambda path: train_tf(script.load_image(path))), script.collate
+    return (lambda path: train_tf(script.load_image(path))), functools.partial(script.check_items, num_classes=1000)
 
 
 def decode_only(decoder):

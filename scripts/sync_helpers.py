@@ -33,7 +33,7 @@ NEEDS = ["number", "join_process_group", "lr_factor", "class_count", "NORMALIZE"
 FEATURES = ["average_model", "load_pretrained", "foreign_weights", "param_groups", "warmup_or_cosine",
             "sync_batchnorm", "start_profiler", "benchmark", "memory_use", "PREEMPTED", "Preemption",
             "start_loader_worker", "die_with_parent", "end_loader_workers", "set_deterministic", "set_tf32",
-            "compile_model", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip", "call_spec", "image_size",
+            "compile_model", "JPEG_DECODER", "decode_file", "random_resized_crop_flip", "call_spec", "image_size",
             "ImageCrops", "open_writer", "write_epoch"]
 SAFETY = ["UserError", "RankError", "one_line", "exit_bad_input", "exit_ctrl_c", "print_or_drop",
           "explain_unreadable_image", "check_launch_args", "check_run", "check_image_folder", "check_resume",
@@ -68,7 +68,7 @@ NOT_CARRIED = {"dataparallel.py": {"join_process_group"},
                                   "SyntheticImages", "DeviceBatches", "accuracy", "Metrics", "lr_factor",
                                   "average_model", "load_pretrained", "foreign_weights", "param_groups",
                                   "warmup_or_cosine", "set_tf32", "compile_model", "start_profiler", "benchmark",
-                                  "memory_use", "JPEG_DECODER", "decode_file", "RandomResizedCropFlip", "call_spec",
+                                  "memory_use", "JPEG_DECODER", "decode_file", "random_resized_crop_flip", "call_spec",
                                   "image_size", "ImageCrops", "explain_unreadable_image", "check_image_folder",
                                   "check_resume", "check_items", "label_fits"}}
 

@@ -1,6 +1,6 @@
 """The fast input path (libjpeg-turbo through torchcodec, the crop in one step) keeps the meaning of the plain one (PIL,
-transforms.v2): every kind of file loads as the same RGB pixels with either decoder, and the same seed gives the same
-crop and flip."""
+transforms.v2): every kind of file loads as the same RGB pixels with either decoder, and the crop and flip are drawn
+as v2 draws them and resampled as v2 resamples."""
 import sys
 import types
 
@@ -103,21 +103,68 @@ def test_without_torchcodec_jpegs_go_to_pil_and_the_log_says_why(error, monkeypa
     assert module.JPEG_DECODER == f"PIL, slower: torchcodec did not load ({why})"
 
 
-def test_the_fast_crop_cuts_and_flips_as_the_v2_transforms_it_stands_in_for(script):
-    """RandomResizedCropFlip against v2.RandomResizedCrop and v2.RandomHorizontalFlip (the core's, the block fast-crop
-    cut): from one seed, the same box and the same flip, resampled alike but for rounding."""
+def boxes_drawn(script, height, width, draws, monkeypatch):
+    """(top, left, height, width, flipped) of `draws` fast crops of an image whose channels 0 and 1 hold each pixel's
+    row and column: read off the crop that reaches the resize, and the order of the columns that leave it."""
+    rows, cols = np.mgrid[0:height, 0:width]
+    image = torch.from_numpy(np.stack([rows, cols, rows]).astype(np.uint8))
+    crops, resize = [], torch.nn.functional.interpolate
+    monkeypatch.setattr(torch.nn.functional, "interpolate", lambda crop, **kw: crops.append(crop) or resize(crop, **kw))
+    boxes = []
+    for _ in range(draws):
+        out = script.random_resized_crop_flip(image, 4)
+        crop = crops.pop()
+        boxes.append((crop[0, 0, 0, 0].item(), crop[0, 1, 0, 0].item(), *crop.shape[2:], out[1, 0, 0] > out[1, 0, -1]))
+    return np.array(boxes, dtype=float)
+
+
+def ks_distance(x, y):
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    x, y = np.sort(x), np.sort(y)
+    points = np.concatenate([x, y])
+    return np.abs(np.searchsorted(x, points, side="right") / len(x)
+                  - np.searchsorted(y, points, side="right") / len(y)).max()
+
+
+def box_features(boxes):
+    """Area, aspect ratio and centre of (top, left, height, width) boxes."""
+    top, left, height, width = boxes.T
+    return height * width, width / height, top + height / 2, left + width / 2
+
+
+@pytest.mark.parametrize("height, width", [(120, 160), (160, 120), (30, 250)])
+def test_crops_and_flips_are_drawn_as_v2_draws_them(script, height, width, monkeypatch):
+    """The boxes of v2.RandomResizedCrop (area, aspect ratio, position) and v2.RandomHorizontalFlip's flips, in
+    distribution: 4000 draws each; two samples of one distribution stay below the KS bound (0.045, about the 0.1%
+    critical value), a wrong scale or ratio lands far above it. 30x250 takes the fallback in 60% of the draws."""
+    torch.manual_seed(0)
+    ours = boxes_drawn(script, height, width, 4000, monkeypatch)
+    reference = v2.RandomResizedCrop(32)
+    boxes = [reference.make_params([torch.empty(3, height, width)]) for _ in range(4000)]
+    theirs = np.array([(b["top"], b["left"], b["height"], b["width"]) for b in boxes], dtype=float)
+    for a, b in zip(box_features(ours[:, :4]), box_features(theirs)):
+        assert ks_distance(a, b) < 0.045
+    assert abs(ours[:, 4].mean() - 0.5) < 0.03
+
+
+def test_an_image_too_long_for_any_draw_gets_v2s_fallback_exactly(script, monkeypatch):
+    torch.manual_seed(0)
+    box = v2.RandomResizedCrop(32).make_params([torch.empty(3, 12, 250)])
+    assert tuple(boxes_drawn(script, 12, 250, 1, monkeypatch)[0, :4]) == (box["top"], box["left"], box["height"],
+                                                                          box["width"])
+
+
+def test_the_fast_crop_resizes_and_flips_as_v2_does(script, monkeypatch):
+    """On the same boxes and flips, the channels-last kernel gives v2.functional's pixels, but for rounding."""
     image = torch.from_numpy(photo(120, 160)).permute(2, 0, 1)  # channels-last memory, as decode_jpeg returns it
-    crop = v2.RandomResizedCrop(32, antialias=True)
-    flips = 0
     for seed in range(8):
         torch.manual_seed(seed)
-        ours = script.RandomResizedCropFlip(32)(image)
+        [(top, left, height, width, flip)] = boxes_drawn(script, 120, 160, 1, monkeypatch).astype(int)
         torch.manual_seed(seed)
-        theirs = v2.Compose([crop, v2.RandomHorizontalFlip()])(image.contiguous())
-        torch.manual_seed(seed)
-        flips += not torch.equal(theirs, crop(image.contiguous()))
+        ours = script.random_resized_crop_flip(image, 32)
+        theirs = v2.functional.resized_crop(image.contiguous(), top, left, height, width, [32, 32], antialias=True)
+        theirs = v2.functional.horizontal_flip(theirs) if flip else theirs
         assert ours.shape == (3, 32, 32) and (ours.int() - theirs.int()).abs().max() <= 1
-    assert 0 < flips < 8
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -126,7 +173,7 @@ def test_batches_reach_the_model_normalized_in_its_memory_format(script, channel
     model the values default_collate and one normalization give, in the model's memory format."""
     image = torch.from_numpy(photo(48, 64)).permute(2, 0, 1)
     torch.manual_seed(0)
-    samples = [(script.RandomResizedCropFlip(32)(image), label) for label in range(6)]
+    samples = [(script.random_resized_crop_flip(image, 32), label) for label in range(6)]
     assert script.collate(samples)[0].is_contiguous(memory_format=torch.channels_last)
     loader = DataLoader(samples, batch_size=6, num_workers=1, collate_fn=script.collate)
     [(images, labels)] = list(script.DeviceBatches(loader, torch.device("cpu"), channels_last, script.NORMALIZE))
