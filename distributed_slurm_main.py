@@ -396,6 +396,7 @@ def requeue(signum):
     if not job or os.environ.get("ENVIRONMENT") != "BATCH":
         return
     if signum == signal.SIGUSR1 and (not dist.is_initialized() or dist.get_rank() == 0):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # scontrol inherits it: the requeue ends the step (SIGTERM)
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
         print(f"could not requeue job {job} ({done.stderr.strip()}): submit it again, it resumes from this checkpoint"
               if done.returncode else f"requeued job {job}; it will resume from this checkpoint", flush=True)

@@ -3,6 +3,7 @@ nodes emulated by two slurmd): srun in both ways, equality with torchrun + distr
 a requeue after SIGUSR1, failures, and the script outside Slurm."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,6 +157,16 @@ def sbatch_example(name, tmp_path):
     return script
 
 
+def lingering_scontrol(slurm, tmp_path):
+    """A PATH whose scontrol lingers 2 s after its work, as one may on a loaded machine: the requeue ends the job's
+    step, with SIGTERM to each of its processes, while the scontrol that asked for it still runs."""
+    script = tmp_path / "bin" / "scontrol"
+    script.parent.mkdir()
+    script.write_text(f'#!/bin/sh\n{shutil.which("scontrol", path=slurm["PATH"])} "$@"; code=$?; sleep 2; exit $code\n')
+    script.chmod(0o755)
+    return f"{script.parent}{os.pathsep}{slurm['PATH']}"
+
+
 @pytest.mark.parametrize("example, resources, args", [
     ("one_task_per_gpu.sbatch", ["-N1", "--ntasks-per-node=2"], []),
     ("one_task_per_node.sbatch", ["-N2", "--ntasks-per-node=1"], ["--procs-per-node", "1"]),
@@ -163,7 +174,8 @@ def sbatch_example(name, tmp_path):
 def test_sbatch_usr1_checkpoints_requeues_and_resumes_to_the_same_weights(
         example, resources, args, slurm, image_data, tmp_path, uninterrupted):
     out, log = tmp_path / "out", tmp_path / "job.log"
-    submitted = slurm_command({**slurm, "OMP_NUM_THREADS": "1"}, "sbatch", "--parsable", *resources,
+    env = {**slurm, "OMP_NUM_THREADS": "1", "PATH": lingering_scontrol(slurm, tmp_path)}
+    submitted = slurm_command(env, "sbatch", "--parsable", *resources,
                               "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={log}",
                               sbatch_example(example, tmp_path), image_data,
                               *RESUME, "-j", "2", "--epochs", EPOCHS, *args, "--output-dir", out, check=True)
